@@ -1,0 +1,184 @@
+"""Configs: what the checkpoint says (ModelConfig) and how the engine runs it (EngineConfig).
+
+Both are frozen. Facts discovered at run time (how many KV blocks fit) live in `engine.kv_cache`
+and `engine.engine`, never written back here.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+SUPPORTED_ARCHITECTURES = (
+    "LlamaForCausalLM",
+    "MistralForCausalLM",
+    "Qwen2ForCausalLM",
+    "Qwen3ForCausalLM",
+)
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+
+
+class ConfigError(ValueError):
+    """A checkpoint folder or engine setting tandem cannot run."""
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    rope_type: str = "default"
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    path: Path
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: RopeScaling
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    qkv_bias: bool
+    qk_norm: bool
+    eos_token_ids: tuple[int, ...]
+    bos_token_id: int | None
+    max_model_len: int
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path) -> ModelConfig:
+        folder = Path(path)
+        config_file = folder / "config.json"
+        if not config_file.is_file():
+            raise ConfigError(f"{folder} is not a model folder: config.json not found")
+        raw = _read_json(config_file)
+        architecture = _architecture(raw)
+        generation = _read_json(folder / "generation_config.json", missing_ok=True)
+        num_heads = raw["num_attention_heads"]
+        hidden_size = raw["hidden_size"]
+        head_dim = raw.get("head_dim") or hidden_size // num_heads
+        max_positions = raw.get("max_position_embeddings", 2048)
+        return cls(
+            path=folder,
+            architecture=architecture,
+            vocab_size=raw["vocab_size"],
+            hidden_size=hidden_size,
+            intermediate_size=raw["intermediate_size"],
+            num_layers=raw["num_hidden_layers"],
+            num_heads=num_heads,
+            num_kv_heads=raw.get("num_key_value_heads") or num_heads,
+            head_dim=head_dim,
+            rms_norm_eps=raw.get("rms_norm_eps", 1e-6),
+            rope_theta=_rope_theta(raw),
+            rope_scaling=_rope_scaling(raw),
+            max_position_embeddings=max_positions,
+            tie_word_embeddings=raw.get("tie_word_embeddings", False),
+            qkv_bias=architecture == "Qwen2ForCausalLM" or raw.get("attention_bias", False),
+            qk_norm=architecture == "Qwen3ForCausalLM",
+            eos_token_ids=_eos_ids(raw, generation),
+            bos_token_id=generation.get("bos_token_id", raw.get("bos_token_id")),
+            max_model_len=_max_model_len(raw, max_positions),
+        )
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """How one engine instance runs a model.
+
+    The KV pool size is `num_kv_blocks` when given, else whatever `kv_cache_memory_bytes` holds.
+    """
+
+    model: str | Path
+    dtype: str = "bfloat16"
+    device: str = "cpu"
+    block_size: int = 16
+    kv_cache_memory_bytes: int = 1 << 30
+    num_kv_blocks: int | None = None
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    max_model_len: int | None = None
+    enable_prefix_caching: bool = True
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.dtype not in ("bfloat16", "float16", "float32"):
+            raise ConfigError(f"dtype must be bfloat16, float16 or float32, not {self.dtype!r}")
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name} must be at least 1")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
+            raise ConfigError("num_kv_blocks must be at least 1")
+
+
+def _read_json(path: Path, missing_ok: bool = False) -> dict[str, Any]:
+    if missing_ok and not path.is_file():
+        return {}
+    try:
+        return json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as err:
+        raise ConfigError(f"cannot read {path}: {err}") from err
+
+
+def _architecture(raw: dict[str, Any]) -> str:
+    names = raw.get("architectures") or []
+    for name in names:
+        if name in SUPPORTED_ARCHITECTURES:
+            return name
+    supported = ", ".join(SUPPORTED_ARCHITECTURES)
+    found = ", ".join(names) or raw.get("model_type", "unknown")
+    raise ConfigError(f"unsupported architecture {found}; tandem supports {supported}")
+
+
+def _rope_params(raw: dict[str, Any]) -> dict[str, Any]:
+    # transformers 5 nests theta and scaling under rope_parameters; older files keep them flat.
+    return raw.get("rope_parameters") or raw.get("rope_scaling") or {}
+
+
+def _rope_theta(raw: dict[str, Any]) -> float:
+    return float(raw.get("rope_theta") or _rope_params(raw).get("rope_theta") or 10000.0)
+
+
+def _rope_scaling(raw: dict[str, Any]) -> RopeScaling:
+    params = _rope_params(raw)
+    rope_type = params.get("rope_type") or params.get("type") or "default"
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise ConfigError(
+            f"unsupported rope scaling {rope_type!r}; tandem supports "
+            + ", ".join(SUPPORTED_ROPE_TYPES)
+        )
+    if rope_type == "default":
+        return RopeScaling()
+    return RopeScaling(
+        rope_type=rope_type,
+        factor=float(params.get("factor", 1.0)),
+        low_freq_factor=float(params.get("low_freq_factor", 1.0)),
+        high_freq_factor=float(params.get("high_freq_factor", 4.0)),
+        original_max_position_embeddings=int(params.get("original_max_position_embeddings", 8192)),
+    )
+
+
+def _eos_ids(raw: dict[str, Any], generation: dict[str, Any]) -> tuple[int, ...]:
+    eos = generation.get("eos_token_id", raw.get("eos_token_id"))
+    if eos is None:
+        return ()
+    return tuple(eos) if isinstance(eos, list) else (eos,)
+
+
+def _max_model_len(raw: dict[str, Any], max_positions: int) -> int:
+    # Attention here is full-context; a sliding window shorter than the position limit caps the
+    # context instead, so every position we serve attends exactly as the checkpoint expects.
+    window = raw.get("sliding_window")
+    uses_window = raw.get("use_sliding_window", window is not None)
+    if window and uses_window and window < max_positions:
+        return int(window)
+    return int(max_positions)

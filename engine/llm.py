@@ -1,0 +1,63 @@
+"""LLM: the offline Python API. `LLM(model).generate(prompts, SamplingParams(...))`."""
+
+from __future__ import annotations
+
+import itertools
+from pathlib import Path
+from typing import Any
+
+from engine.config import EngineConfig
+from engine.engine import LLMEngine
+from engine.output_processor import RequestState
+from engine.outputs import RequestOutput
+from engine.sampling_params import SamplingParams
+from engine.tokenizer import Tokenizer
+
+Prompt = str | list[int]
+
+
+class LLM:
+    def __init__(self, model: str | Path, **engine_options: Any) -> None:
+        self.engine = LLMEngine(EngineConfig(model=model, **engine_options))
+        self.tokenizer = Tokenizer(self.engine.model_config.path)
+        self._ids = itertools.count()
+
+    def generate(
+        self,
+        prompts: Prompt | list[Prompt],
+        params: SamplingParams | list[SamplingParams] | None = None,
+    ) -> list[RequestOutput]:
+        """Runs every prompt to completion, batched; outputs come back in prompt order."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        token_lists = [p if isinstance(p, list) else self.tokenizer.encode(p) for p in prompts]
+        return self.generate_ids(token_lists, params)
+
+    def chat(
+        self,
+        conversations: list[list[dict[str, Any]]],
+        params: SamplingParams | list[SamplingParams] | None = None,
+    ) -> list[RequestOutput]:
+        return self.generate_ids([self.tokenizer.encode_chat(c) for c in conversations], params)
+
+    def generate_ids(
+        self,
+        prompts: list[list[int]],
+        params: SamplingParams | list[SamplingParams] | None = None,
+    ) -> list[RequestOutput]:
+        if not isinstance(params, list):
+            params = [params or SamplingParams()] * len(prompts)
+        states: dict[str, RequestState] = {}
+        for ids, p in zip(prompts, params, strict=True):
+            request_id = str(next(self._ids))
+            self.engine.add_request(request_id, ids, p)
+            states[request_id] = RequestState(request_id, ids, p, self.tokenizer)
+        results: dict[str, RequestOutput] = {}
+        while self.engine.has_unfinished:
+            for update in self.engine.step():
+                output, stop_string_hit = states[update.request_id].apply(update)
+                if stop_string_hit:
+                    self.engine.abort(update.request_id)
+                if output.finished:
+                    results[update.request_id] = output
+        return [results[request_id] for request_id in states]

@@ -1,0 +1,181 @@
+"""Llama-family decoder (Llama 2/3, SmolLM2, Mistral, Qwen2, Qwen3) over a paged KV cache.
+
+The projections are fused at load time (q|k|v and gate|up) so each layer runs four matmuls;
+`checkpoint_sources` says which checkpoint tensors fill each fused parameter.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.config import ModelConfig
+from engine.forward_batch import ForwardBatch
+from engine.rope import RotaryEmbedding
+from kernels import ops
+
+KVCaches = list[tuple[torch.Tensor, torch.Tensor]]  # per layer: key_cache, value_cache
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    # Normalise in float32 and cast back before the weight, as the reference implementation does.
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(x.dtype)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size), requires_grad=False)
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return rms_norm(x, self.weight, self.eps)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.num_heads, self.kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.q_size = cfg.num_heads * cfg.head_dim
+        self.kv_size = cfg.num_kv_heads * cfg.head_dim
+        self.scale = cfg.head_dim**-0.5
+        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, cfg.qkv_bias)
+        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+
+    def forward(
+        self,
+        x: torch.Tensor,  # [N, hidden]
+        batch: ForwardBatch,
+        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        rope: RotaryEmbedding,
+    ) -> torch.Tensor:  # [N, hidden]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(-1, self.num_heads, self.head_dim)
+        k = k.view(-1, self.kv_heads, self.head_dim)
+        v = v.view(-1, self.kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = rope(batch.positions, q, k)
+        ops.store_kv(k, v, kv_cache[0], kv_cache[1], batch.slot_mapping)
+        out = torch.empty_like(q)
+        self._attend(q, k, v, out, batch, kv_cache)
+        return self.o_proj(out.view(-1, self.q_size))
+
+    def _attend(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        out: torch.Tensor,
+        batch: ForwardBatch,
+        kv_cache: tuple[torch.Tensor, torch.Tensor],
+    ) -> None:
+        key_cache, value_cache = kv_cache
+        nd = batch.num_decodes
+        if nd:
+            out[:nd] = ops.decode_attention(
+                q[:nd],
+                key_cache,
+                value_cache,
+                batch.decode_block_tables,
+                batch.decode_context_lens,
+                self.scale,
+            )
+        for seg in batch.prefills:
+            rows = slice(seg.start, seg.end)
+            if seg.is_fresh:
+                out[rows] = ops.causal_attention(q[rows], k[rows], v[rows], self.scale)
+            else:
+                out[rows] = ops.prefill_attention(
+                    q[rows], key_cache, value_cache, seg.block_table, seg.context_len, self.scale
+                )
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.input_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.attn = Attention(cfg)
+        self.post_attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        batch: ForwardBatch,
+        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        rope: RotaryEmbedding,
+    ) -> torch.Tensor:
+        x = x + self.attn(self.input_norm(x), batch, kv_cache, rope)
+        gate, up = self.gate_up_proj(self.post_attn_norm(x)).chunk(2, dim=-1)
+        return x + self.down_proj(F.silu(gate) * up)
+
+
+class CausalLM(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        with torch.device("cpu"):  # plain tables even when the module is built on "meta"
+            self.rope = RotaryEmbedding(
+                cfg.head_dim, cfg.max_model_len, cfg.rope_theta, cfg.rope_scaling
+            )
+        self.requires_grad_(False)
+
+    def forward(self, batch: ForwardBatch, kv_caches: KVCaches) -> torch.Tensor:
+        """Runs every row; returns float32 logits [S, vocab] for the rows in logits_indices."""
+        x = self.embed_tokens(batch.input_ids)
+        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+            x = layer(x, batch, kv_cache, self.rope)
+        x = self.norm(x[batch.logits_indices])
+        return self.lm_head(x).float()
+
+    def checkpoint_sources(self) -> dict[str, list[tuple[str, int]]]:
+        """Our parameter -> (checkpoint tensor, its rows): the tensors concatenated on dim 0."""
+        cfg = self.cfg
+        embed = "model.embed_tokens.weight"
+        sources = {
+            "embed_tokens.weight": [(embed, cfg.vocab_size)],
+            "norm.weight": [("model.norm.weight", cfg.hidden_size)],
+            "lm_head.weight": [
+                (embed if cfg.tie_word_embeddings else "lm_head.weight", cfg.vocab_size)
+            ],
+        }
+        for i in range(cfg.num_layers):
+            sources.update(_layer_sources(i, cfg))
+        return sources
+
+
+def _layer_sources(i: int, cfg: ModelConfig) -> dict[str, list[tuple[str, int]]]:
+    ours, theirs = f"layers.{i}.", f"model.layers.{i}."
+    attn, mlp = theirs + "self_attn.", theirs + "mlp."
+    q_rows, kv_rows = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    qkv = [("q", q_rows), ("k", kv_rows), ("v", kv_rows)]
+    sources = {
+        ours + "input_norm.weight": [(theirs + "input_layernorm.weight", cfg.hidden_size)],
+        ours + "post_attn_norm.weight": [
+            (theirs + "post_attention_layernorm.weight", cfg.hidden_size)
+        ],
+        ours + "attn.qkv_proj.weight": [(f"{attn}{p}_proj.weight", n) for p, n in qkv],
+        ours + "attn.o_proj.weight": [(attn + "o_proj.weight", cfg.hidden_size)],
+        ours + "gate_up_proj.weight": [
+            (mlp + "gate_proj.weight", cfg.intermediate_size),
+            (mlp + "up_proj.weight", cfg.intermediate_size),
+        ],
+        ours + "down_proj.weight": [(mlp + "down_proj.weight", cfg.hidden_size)],
+    }
+    if cfg.qkv_bias:
+        sources[ours + "attn.qkv_proj.bias"] = [(f"{attn}{p}_proj.bias", n) for p, n in qkv]
+    if cfg.qk_norm:
+        sources[ours + "attn.q_norm.weight"] = [(attn + "q_norm.weight", cfg.head_dim)]
+        sources[ours + "attn.k_norm.weight"] = [(attn + "k_norm.weight", cfg.head_dim)]
+    return sources

@@ -1,0 +1,85 @@
+"""Per-request output state in the frontend: text, stop strings, and what to stream next."""
+
+from __future__ import annotations
+
+from engine.outputs import RequestOutput, SeqUpdate
+from engine.sampling_params import SamplingParams
+from engine.sequence import FinishReason
+from engine.tokenizer import IncrementalDetokenizer, Tokenizer
+
+
+class RequestState:
+    """Folds the engine's token updates for one request into RequestOutputs.
+
+    While streaming, the last `len(longest stop string) - 1` characters are held back: they might
+    turn out to be the start of a stop string, which must never reach the client.
+    """
+
+    def __init__(
+        self, request_id: str, prompt_ids: list[int], params: SamplingParams, tokenizer: Tokenizer
+    ) -> None:
+        self.request_id = request_id
+        self.prompt_ids = prompt_ids
+        self.params = params
+        self.detokenizer = IncrementalDetokenizer(tokenizer, prompt_ids, params.skip_special_tokens)
+        self.holdback = max((len(s) for s in params.stop), default=1) - 1
+        self.token_ids: list[int] = []
+        self.logprobs = [] if params.logprobs is not None else None
+        self.text = ""
+        self.num_sent_chars = 0
+        self.finish_reason: str | None = None
+        self.stop_reason: int | str | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def apply(self, update: SeqUpdate) -> tuple[RequestOutput, bool]:
+        """The request's output after `update`, and whether a stop string just ended it (the
+        caller then aborts the request in the engine)."""
+        tokens = update.new_token_ids
+        self.token_ids.extend(tokens)
+        if self.logprobs is not None:
+            self.logprobs.extend(update.new_logprobs)
+        text_tokens = tokens
+        if update.stop_token_id is not None and not self.params.include_stop_str_in_output:
+            text_tokens = tokens[:-1]
+        scan_from = max(0, len(self.text) - self.holdback)
+        self.text += self.detokenizer.push(text_tokens)
+        if update.finish_reason is not None:
+            self.text += self.detokenizer.flush()
+            self.finish_reason = update.finish_reason.value
+            self.stop_reason = update.stop_token_id
+        hit = self._find_stop_string(scan_from)
+        return self._output(update, len(tokens)), hit
+
+    def _find_stop_string(self, scan_from: int) -> bool:
+        if not self.params.stop:
+            return False
+        found = [(self.text.find(s, scan_from), s) for s in self.params.stop]
+        found = [(at, s) for at, s in found if at >= 0]
+        if not found:
+            return False
+        at, stop = min(found)
+        keep = at + len(stop) if self.params.include_stop_str_in_output else at
+        self.text = self.text[:keep]
+        self.finish_reason, self.stop_reason = FinishReason.STOP.value, stop
+        return True
+
+    def _output(self, update: SeqUpdate, num_new: int) -> RequestOutput:
+        sendable = len(self.text) if self.finished else max(0, len(self.text) - self.holdback)
+        sendable = max(sendable, self.num_sent_chars)
+        delta = self.text[self.num_sent_chars : sendable]
+        self.num_sent_chars = sendable
+        return RequestOutput(
+            request_id=self.request_id,
+            prompt_token_ids=self.prompt_ids,
+            token_ids=list(self.token_ids),
+            text=self.text,
+            delta_token_ids=self.token_ids[len(self.token_ids) - num_new :],
+            delta_text=delta,
+            logprobs=self.logprobs,
+            finish_reason=self.finish_reason,
+            stop_reason=self.stop_reason,
+            num_cached_tokens=update.num_cached_tokens,
+        )

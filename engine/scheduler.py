@@ -1,0 +1,168 @@
+"""Continuous-batching scheduler for one engine: decides which tokens each step computes.
+
+Works on Sequences, counts and block ids only; it never sees a tensor. Each step:
+  1. running sequences, oldest first: a decode computes 1 token, a partly prefilled sequence
+     computes the next chunk of its prompt (leaving 1 token of budget per decode behind it);
+     when the KV pool is full the newest running sequence is preempted (blocks freed, recomputed
+     later from its prompt and output so far);
+  2. waiting sequences, first come first served, start with whatever the prefix cache already
+     holds and compute a first chunk, while the token budget and `max_num_seqs` allow.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+from typing import NamedTuple
+
+from engine.block_manager import BlockManager, num_blocks_for
+from engine.sequence import FinishReason, Sequence, SequenceStatus
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int
+    max_num_batched_tokens: int
+
+
+class ScheduledChunk(NamedTuple):
+    seq: Sequence
+    start: int  # first token position computed (the sequence's num_computed_tokens)
+    num_tokens: int
+
+    @property
+    def end(self) -> int:
+        return self.start + self.num_tokens
+
+    @property
+    def samples(self) -> bool:
+        """The chunk reaches the last known token, so the step samples the next one."""
+        return self.end == self.seq.num_tokens
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    chunks: tuple[ScheduledChunk, ...]
+    preempted: tuple[Sequence, ...]
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(chunk.num_tokens for chunk in self.chunks)
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager) -> None:
+        self.config = config
+        self.blocks = block_manager
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+
+    def add(self, seq: Sequence) -> None:
+        seq.status = SequenceStatus.WAITING
+        self.waiting.append(seq)
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    def schedule(self) -> StepPlan:
+        budget = self.config.max_num_batched_tokens
+        chunks: list[ScheduledChunk] = []
+        preempted: list[Sequence] = []
+        decodes_left = sum(1 for s in self.running if s.num_uncomputed_tokens == 1)
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            is_decode = seq.num_uncomputed_tokens == 1
+            decodes_left -= is_decode
+            n = min(seq.num_uncomputed_tokens, budget - decodes_left)
+            if n <= 0:
+                i += 1
+                continue
+            while not self._grow(seq, seq.num_computed_tokens + n):
+                victim = self.running.pop()
+                decodes_left -= victim is not seq and victim.num_uncomputed_tokens == 1
+                self._preempt(victim)
+                preempted.append(victim)
+                if victim is seq:
+                    break
+            if seq.status is SequenceStatus.RUNNING:
+                chunks.append(ScheduledChunk(seq, seq.num_computed_tokens, n))
+                budget -= n
+                i += 1
+        if not preempted:
+            budget = self._admit_waiting(budget, chunks)
+        return StepPlan(tuple(chunks), tuple(preempted))
+
+    def _admit_waiting(self, budget: int, chunks: list[ScheduledChunk]) -> int:
+        bs = self.blocks.block_size
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            seq = self.waiting[0]
+            hits = self.blocks.match_prefix(seq.token_ids)
+            if len(hits) * bs >= seq.num_tokens:  # always compute at least the last token
+                hits = hits[:-1]
+            num_cached = len(hits) * bs
+            n = min(seq.num_tokens - num_cached, budget)
+            num_new = num_blocks_for(num_cached + n, bs) - len(hits)
+            num_evictable = sum(1 for b in hits if self.blocks.ref_counts[b] == 0)
+            if num_new + num_evictable > self.blocks.num_free_blocks:
+                break
+            self.blocks.count_query(seq.num_tokens, num_cached)
+            self.blocks.take_cached(hits)
+            seq.block_table = hits + self.blocks.allocate(num_new)
+            seq.num_computed_tokens = num_cached
+            seq.num_hashed_blocks = len(hits)
+            if seq.num_preemptions == 0:
+                seq.num_cached_prompt_tokens = num_cached
+            seq.status = SequenceStatus.RUNNING
+            self.waiting.popleft()
+            self.running.append(seq)
+            chunks.append(ScheduledChunk(seq, num_cached, n))
+            budget -= n
+        return budget
+
+    def _grow(self, seq: Sequence, num_tokens: int) -> bool:
+        """Makes the block table cover `num_tokens`; False when the pool is too small."""
+        missing = num_blocks_for(num_tokens, self.blocks.block_size) - len(seq.block_table)
+        if missing <= 0:
+            return True
+        if missing > self.blocks.num_free_blocks:
+            return False
+        seq.block_table.extend(self.blocks.allocate(missing))
+        return True
+
+    def _preempt(self, seq: Sequence) -> None:
+        self._release(seq)
+        seq.status = SequenceStatus.WAITING
+        seq.num_preemptions += 1
+        self.waiting.appendleft(seq)
+
+    def _release(self, seq: Sequence) -> None:
+        self.blocks.free_blocks(seq.block_table)
+        seq.block_table = []
+        seq.num_computed_tokens = 0
+        seq.num_hashed_blocks = 0
+
+    def commit(self, plan: StepPlan) -> None:
+        """Records that the plan's KV is now written: advances counts, caches full blocks."""
+        for chunk in plan.chunks:
+            seq = chunk.seq
+            seq.num_computed_tokens = chunk.end
+            num_full = chunk.end // self.blocks.block_size
+            if num_full > seq.num_hashed_blocks:
+                self.blocks.cache_full_blocks(
+                    seq.block_table, seq.token_ids, seq.num_hashed_blocks, num_full
+                )
+                seq.num_hashed_blocks = num_full
+
+    def finish(self, seq: Sequence, reason: FinishReason) -> None:
+        """Ends a sequence wherever it is (waiting or running) and frees its blocks."""
+        if seq.is_finished:
+            return
+        if seq.status is SequenceStatus.RUNNING:
+            self.running.remove(seq)
+        else:
+            self.waiting.remove(seq)
+        self._release(seq)
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason
