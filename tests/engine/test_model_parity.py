@@ -1,0 +1,64 @@
+"""Tiny random Llama / Qwen2 / Qwen3 / Mistral: logits and 32 greedy tokens against transformers."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from engine.llm import LLM
+from engine.sampling_params import SamplingParams
+
+PROMPTS = [
+    "The quick brown fox",
+    "Paged attention stores keys and values in fixed-size blocks.",
+    "日本語 😀",
+]
+GREEDY_32 = SamplingParams(max_tokens=32, temperature=0, ignore_eos=True)
+FAMILIES = [
+    ("llama", {}),
+    ("llama", {"rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                "high_freq_factor": 4.0, "original_max_position_embeddings": 64}}),
+    ("qwen2", {}),
+    ("qwen3", {}),
+    ("mistral", {"sliding_window": None}),
+]
+
+
+def hf_greedy(folder, prompt_ids: list[int], n: int) -> list[int]:
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    out = model.generate(
+        torch.tensor([prompt_ids]), max_new_tokens=n, min_new_tokens=n, do_sample=False
+    )
+    return out[0, len(prompt_ids) :].tolist()
+
+
+@pytest.mark.parametrize(("family", "overrides"), FAMILIES, ids=lambda v: str(v)[:20])
+def test_greedy_tokens_match_transformers(checkpoints, family: str, overrides: dict) -> None:
+    folder = checkpoints(family, **overrides)
+    llm = LLM(folder, dtype="float32")
+    prompts = [llm.tokenizer.encode(p) for p in PROMPTS]
+    ours = llm.generate_ids(prompts, GREEDY_32)
+    for prompt_ids, output in zip(prompts, ours, strict=True):
+        assert output.token_ids == hf_greedy(folder, prompt_ids, 32)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
+def test_prefill_logits_close_to_transformers(checkpoints, family: str) -> None:
+    folder = checkpoints(family)
+    llm = LLM(folder, dtype="float32")
+    prompt_ids = llm.tokenizer.encode(PROMPTS[1])
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    with torch.no_grad():
+        expected = model(torch.tensor([prompt_ids])).logits[0, -1]
+    captured = []
+    original = llm.engine.runner.model.forward
+
+    def spy(batch, kv_caches):
+        logits = original(batch, kv_caches)
+        captured.append(logits)
+        return logits
+
+    llm.engine.runner.model.forward = spy
+    llm.generate_ids([prompt_ids], SamplingParams(max_tokens=1, temperature=0))
+    torch.testing.assert_close(captured[0][0], expected, rtol=1e-4, atol=1e-4)
