@@ -141,6 +141,10 @@ def convert_gguf(gguf_path: Path, out: Path) -> None:
     _make_tokenizer_config_portable(out, tokenizer.chat_template, config.max_position_embeddings)
     _write_generation_config(out, config, tokenizer)
     _check_saved(out, config, tokenizer.chat_template)
+    for written in out.iterdir():
+        # transformers 5 stages model.safetensors through a 0600 temp file; a shared cache
+        # (TANDEM_CACHE) must stay readable by the user who serves it.
+        written.chmod(0o644)
 
 
 def _load_gguf_weights(model: LlamaForCausalLM, gguf_path: Path) -> None:

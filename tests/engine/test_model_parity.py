@@ -17,8 +17,18 @@ PROMPTS = [
 GREEDY_32 = SamplingParams(max_tokens=32, temperature=0, ignore_eos=True)
 FAMILIES = [
     ("llama", {}),
-    ("llama", {"rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                                "high_freq_factor": 4.0, "original_max_position_embeddings": 64}}),
+    (
+        "llama",
+        {
+            "rope_scaling": {
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 64,
+            }
+        },
+    ),
     ("qwen2", {}),
     ("qwen3", {}),
     ("mistral", {"sliding_window": None}),
