@@ -12,7 +12,7 @@ from torch import nn
 
 from engine.config import ModelConfig
 from engine.forward_batch import ForwardBatch
-from engine.rope import RotaryEmbedding
+from engine.rope import RotaryEmbedding, apply_rotary
 from kernels import ops
 
 KVCaches = list[tuple[torch.Tensor, torch.Tensor]]  # per layer: key_cache, value_cache
@@ -52,7 +52,7 @@ class Attention(nn.Module):
         x: torch.Tensor,  # [N, hidden]
         batch: ForwardBatch,
         kv_cache: tuple[torch.Tensor, torch.Tensor],
-        rope: RotaryEmbedding,
+        rope: tuple[torch.Tensor, torch.Tensor],  # cos, sin of the batch's positions
     ) -> torch.Tensor:  # [N, hidden]
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
@@ -60,7 +60,7 @@ class Attention(nn.Module):
         v = v.view(-1, self.kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = rope(batch.positions, q, k)
+        q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
         ops.store_kv(k, v, kv_cache[0], kv_cache[1], batch.slot_mapping)
         out = torch.empty_like(q)
         self._attend(q, k, v, out, batch, kv_cache)
@@ -110,7 +110,7 @@ class DecoderLayer(nn.Module):
         x: torch.Tensor,
         batch: ForwardBatch,
         kv_cache: tuple[torch.Tensor, torch.Tensor],
-        rope: RotaryEmbedding,
+        rope: tuple[torch.Tensor, torch.Tensor],
     ) -> torch.Tensor:
         x = x + self.attn(self.input_norm(x), batch, kv_cache, rope)
         gate, up = self.gate_up_proj(self.post_attn_norm(x)).chunk(2, dim=-1)
@@ -134,8 +134,9 @@ class CausalLM(nn.Module):
     def forward(self, batch: ForwardBatch, kv_caches: KVCaches) -> torch.Tensor:
         """Runs every row; returns float32 logits [S, vocab] for the rows in logits_indices."""
         x = self.embed_tokens(batch.input_ids)
+        rope = self.rope.lookup(batch.positions)
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            x = layer(x, batch, kv_cache, self.rope)
+            x = layer(x, batch, kv_cache, rope)
         x = self.norm(x[batch.logits_indices])
         return self.lm_head(x).float()
 

@@ -49,18 +49,18 @@ class RotaryEmbedding:
         self.sin = self.sin.to(device=device, dtype=dtype)
         return self
 
-    def __call__(
-        self,
-        positions: torch.Tensor,  # [N]
-        query: torch.Tensor,  # [N, num_heads, head_dim]
-        key: torch.Tensor,  # [N, kv_heads, head_dim]
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        cos = self.cos[positions].unsqueeze(1)  # [N, 1, head_dim]
-        sin = self.sin[positions].unsqueeze(1)
-        return _rotate(query, cos, sin), _rotate(key, cos, sin)
+    def lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin for these positions, [N, 1, head_dim] each; every layer reuses them."""
+        cos = self.cos.index_select(0, positions).unsqueeze(1)
+        sin = self.sin.index_select(0, positions).unsqueeze(1)
+        return cos, sin
 
 
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+def apply_rotary(
+    x: torch.Tensor,  # [N, heads, head_dim]
+    cos: torch.Tensor,  # [N, 1, head_dim]
+    sin: torch.Tensor,
+) -> torch.Tensor:
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     return x * cos + rotated * sin

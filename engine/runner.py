@@ -8,6 +8,7 @@ from engine.config import EngineConfig, ModelConfig
 from engine.forward_batch import ForwardBatch, PrefillSegment
 from engine.kv_cache import allocate_kv_cache
 from engine.model import CausalLM
+from engine.packed_linear import can_pack, pack_linears
 from engine.sampler import SamplerOutput, SampleRow, sample
 from engine.scheduler import ScheduledChunk, StepPlan
 from engine.weights import load_weights
@@ -21,6 +22,8 @@ def load_model(model_cfg: ModelConfig, dtype: torch.dtype, device: str) -> Causa
     model = model.to_empty(device=device).to(dtype)
     load_weights(model, model_cfg.path)
     model.rope.to(dtype, device)
+    if can_pack(dtype, torch.device(device)):
+        pack_linears(model)
     return model.eval()
 
 

@@ -11,7 +11,8 @@ def gather_blocks(
     block_tables: torch.Tensor,  # [B, max_blocks] int64
 ) -> torch.Tensor:  # [B, max_blocks * block_size, kv_heads, head_dim]
     batch, max_blocks = block_tables.shape
-    gathered = cache[block_tables]  # [B, max_blocks, block_size, kv_heads, head_dim]
+    # index_select on a flat index runs several times faster on CPU than cache[block_tables].
+    gathered = cache.index_select(0, block_tables.flatten())
     return gathered.view(batch, max_blocks * cache.shape[1], *cache.shape[2:])
 
 

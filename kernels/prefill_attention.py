@@ -20,8 +20,8 @@ def prefill_attention_ref(
 ) -> torch.Tensor:  # [T, num_heads, head_dim]
     num_queries = query.shape[0]
     kv_heads, head_dim = key_cache.shape[2:]
-    keys = key_cache[block_table].view(-1, kv_heads, head_dim)[:context_len]
-    values = value_cache[block_table].view(-1, kv_heads, head_dim)[:context_len]
+    keys = key_cache.index_select(0, block_table).view(-1, kv_heads, head_dim)[:context_len]
+    values = value_cache.index_select(0, block_table).view(-1, kv_heads, head_dim)[:context_len]
     return causal_attention(query, keys, values, scale, prefix_len=context_len - num_queries)
 
 
