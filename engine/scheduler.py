@@ -29,15 +29,17 @@ class ScheduledChunk(NamedTuple):
     seq: Sequence
     start: int  # first token position computed (the sequence's num_computed_tokens)
     num_tokens: int
+    samples: bool  # the chunk reaches the last known token, so the step samples the next one
 
     @property
     def end(self) -> int:
         return self.start + self.num_tokens
 
-    @property
-    def samples(self) -> bool:
-        """The chunk reaches the last known token, so the step samples the next one."""
-        return self.end == self.seq.num_tokens
+    @classmethod
+    def of(cls, seq: Sequence, num_tokens: int) -> ScheduledChunk:
+        """The next `num_tokens` uncomputed tokens of `seq`."""
+        start = seq.num_computed_tokens
+        return cls(seq, start, num_tokens, start + num_tokens == seq.num_tokens)
 
 
 @dataclass(frozen=True)
@@ -87,7 +89,7 @@ class Scheduler:
                 if victim is seq:
                     break
             if seq.status is SequenceStatus.RUNNING:
-                chunks.append(ScheduledChunk(seq, seq.num_computed_tokens, n))
+                chunks.append(ScheduledChunk.of(seq, n))
                 budget -= n
                 i += 1
         if not preempted:
@@ -117,7 +119,7 @@ class Scheduler:
             seq.status = SequenceStatus.RUNNING
             self.waiting.popleft()
             self.running.append(seq)
-            chunks.append(ScheduledChunk(seq, num_cached, n))
+            chunks.append(ScheduledChunk.of(seq, n))
             budget -= n
         return budget
 

@@ -14,7 +14,8 @@ PROMPTS = [
     "Paged attention stores keys and values in fixed-size blocks.",
     "日本語 😀",
 ]
-GREEDY_32 = SamplingParams(max_tokens=32, temperature=0, ignore_eos=True)
+# min_tokens masks EOS exactly as min_new_tokens does on the transformers side.
+GREEDY_32 = SamplingParams(max_tokens=32, min_tokens=32, temperature=0)
 FAMILIES = [
     ("llama", {}),
     (

@@ -1,0 +1,111 @@
+"""Scheduler plans at block_size 4, without a model: budgets, chunks, preemption, prefix hits."""
+
+from __future__ import annotations
+
+from engine.block_manager import BlockManager
+from engine.sampling_params import SamplingParams
+from engine.scheduler import Scheduler, SchedulerConfig, StepPlan
+from engine.sequence import FinishReason, Sequence, SequenceStatus
+
+BS = 4
+
+
+def make(num_blocks: int = 16, max_seqs: int = 8, budget: int = 32) -> Scheduler:
+    return Scheduler(SchedulerConfig(max_seqs, budget), BlockManager(num_blocks, BS))
+
+
+def seq(request_id: str, num_prompt: int, first_token: int = 1) -> Sequence:
+    tokens = list(range(first_token, first_token + num_prompt))
+    return Sequence(request_id, tokens, num_prompt, SamplingParams())
+
+
+def run_step(scheduler: Scheduler) -> StepPlan:
+    """Schedules, then does what the engine does after the model ran: commit, append tokens."""
+    plan = scheduler.schedule()
+    scheduler.commit(plan)
+    for chunk in plan.chunks:
+        if chunk.samples:
+            chunk.seq.token_ids.append(999)
+    return plan
+
+
+def summary(plan: StepPlan) -> list[tuple[str, int, int]]:
+    return [(c.seq.request_id, c.start, c.num_tokens) for c in plan.chunks]
+
+
+def test_prompt_is_chunked_under_the_token_budget() -> None:
+    s = make(budget=8)
+    s.add(seq("a", 20))
+    first = run_step(s)
+    assert summary(first) == [("a", 0, 8)] and not first.chunks[0].samples
+    assert summary(run_step(s)) == [("a", 8, 8)]
+    plan = run_step(s)
+    assert summary(plan) == [("a", 16, 4)] and plan.chunks[0].samples
+    assert summary(run_step(s)) == [("a", 20, 1)]  # now decoding
+
+
+def test_decodes_are_not_starved_by_a_long_prefill() -> None:
+    s = make(budget=8)
+    s.add(seq("a", 3))
+    run_step(s)  # a prefilled, decoding from now on
+    s.add(seq("b", 30, first_token=100))
+    run_step(s)  # b admitted with the rest of the budget
+    plan = run_step(s)
+    assert ("a", 4, 1) in summary(plan)
+    assert plan.num_batched_tokens <= 8
+
+
+def test_max_num_seqs_limits_admission() -> None:
+    s = make(max_seqs=2)
+    for name in "abc":
+        s.add(seq(name, 3))
+    assert [c[0] for c in summary(run_step(s))] == ["a", "b"]
+    assert [x.request_id for x in s.waiting] == ["c"]
+
+
+def test_pool_exhaustion_preempts_the_newest_and_recomputes_it() -> None:
+    s = make(num_blocks=4)  # 16 tokens of KV
+    s.add(seq("old", 7))
+    s.add(seq("new", 7, first_token=50))
+    run_step(s)  # prompts in, 2 blocks each: the pool is full
+    run_step(s)  # token 8 of each still fits in its second block
+    plan = run_step(s)  # token 9 needs a third block: there is none
+    assert [p.request_id for p in plan.preempted] == ["new"]
+    assert summary(plan) == [("old", 8, 1)]
+    preempted = s.waiting[0]
+    assert preempted.request_id == "new" and preempted.status is SequenceStatus.WAITING
+    assert preempted.num_computed_tokens == 0 and preempted.block_table == []
+    assert preempted.num_tokens == 9  # prompt + 2 generated tokens, all to be recomputed
+
+
+def test_prefix_cache_hit_skips_the_cached_tokens() -> None:
+    s = make()
+    first = seq("a", 10)
+    s.add(first)
+    run_step(s)
+    s.finish(first, FinishReason.STOP)
+    s.add(seq("b", 10))  # same 10 prompt tokens: two full blocks are cached
+    plan = run_step(s)
+    assert summary(plan) == [("b", 8, 2)]
+    assert s.blocks.prefix_hits == 8
+
+
+def test_fully_cached_prompt_still_computes_its_last_token() -> None:
+    s = make()
+    first = seq("a", 8)
+    s.add(first)
+    run_step(s)
+    s.finish(first, FinishReason.STOP)
+    s.add(seq("b", 8))
+    assert summary(run_step(s)) == [("b", 4, 4)]  # the last full block is recomputed
+
+
+def test_finish_and_abort_free_every_block() -> None:
+    s = make(num_blocks=8)
+    a, b = seq("a", 9), seq("b", 5, first_token=40)
+    s.add(a)
+    s.add(b)
+    run_step(s)
+    s.finish(a, FinishReason.ABORT)
+    s.finish(b, FinishReason.STOP)
+    assert s.blocks.num_free_blocks == 8 and s.num_unfinished == 0

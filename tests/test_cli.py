@@ -1,0 +1,92 @@
+"""`tandem generate` and its error paths: one line on stderr, non-zero exit, no traceback."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from engine.llm import LLM
+from engine.sampling_params import SamplingParams
+
+
+def tandem(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "coordinator.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+
+
+def assert_one_line_error(result: subprocess.CompletedProcess, fragment: str) -> None:
+    assert result.returncode != 0
+    assert "Traceback" not in result.stderr
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and fragment in lines[0], result.stderr
+
+
+def test_generate_json_matches_python_api(tiny_llama) -> None:
+    result = tandem(
+        "generate", "--model", str(tiny_llama), "--prompt", "The quick", "--prompt", "0123",
+        "--max-tokens", "6", "--dtype", "float32", "--ignore-eos", "--json",
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    records = [json.loads(line) for line in result.stdout.splitlines()]
+    expected = LLM(tiny_llama, dtype="float32").generate(
+        ["The quick", "0123"], SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    )
+    assert [r["token_ids"] for r in records] == [e.token_ids for e in expected]
+    assert [r["text"] for r in records] == [e.text for e in expected]
+    assert all(r["finish_reason"] == "length" for r in records)
+
+
+def test_missing_folder(tmp_path) -> None:
+    result = tandem("generate", "--model", str(tmp_path / "none"), "--prompt", "hi")
+    assert_one_line_error(result, "does not exist")
+
+
+def test_bad_flag_value() -> None:
+    result = tandem("generate", "--prompt", "hi", "--max-tokens", "many")
+    assert result.returncode == 2
+    assert_one_line_error(result, "invalid int value")
+
+
+def test_unknown_flag() -> None:
+    assert_one_line_error(tandem("generate", "--prompt", "hi", "--bogus"), "--bogus")
+
+
+def test_bad_sampling_value(tiny_llama) -> None:
+    result = tandem("generate", "--model", str(tiny_llama), "--prompt", "hi", "--top-p", "0")
+    assert_one_line_error(result, "top_p")
+
+
+@pytest.fixture
+def broken(tiny_llama, tmp_path):
+    folder = tmp_path / "broken"
+    shutil.copytree(tiny_llama, folder)
+    return folder
+
+
+def test_unsupported_architecture(broken) -> None:
+    config = json.loads((broken / "config.json").read_text())
+    config["architectures"] = ["BertModel"]
+    (broken / "config.json").write_text(json.dumps(config))
+    result = tandem("generate", "--model", str(broken), "--prompt", "hi")
+    assert_one_line_error(result, "unsupported architecture BertModel")
+
+
+def test_corrupt_weights(broken) -> None:
+    weights = broken / "model.safetensors"
+    weights.write_bytes(b"\x00" * 64)
+    result = tandem("generate", "--model", str(broken), "--prompt", "hi")
+    assert_one_line_error(result, "model.safetensors")
+
+
+def test_transformers_does_not_mistake_our_kernels_package() -> None:
+    from transformers.utils import import_utils
+
+    assert not import_utils.is_kernels_available()
