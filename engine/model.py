@@ -20,9 +20,8 @@ KVCaches = list[tuple[torch.Tensor, torch.Tensor]]  # per layer: key_cache, valu
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     # Normalise in float32 and cast back before the weight, as the reference implementation does.
-    h = x.float()
-    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * h.to(x.dtype)
+    normed = F.rms_norm(x.float(), x.shape[-1:], eps=eps)
+    return weight * normed.to(x.dtype)
 
 
 class RMSNorm(nn.Module):
@@ -54,29 +53,35 @@ class Attention(nn.Module):
         kv_cache: tuple[torch.Tensor, torch.Tensor],
         rope: tuple[torch.Tensor, torch.Tensor],  # cos, sin of the batch's positions
     ) -> torch.Tensor:  # [N, hidden]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(-1, self.num_heads, self.head_dim)
-        k = k.view(-1, self.kv_heads, self.head_dim)
-        v = v.view(-1, self.kv_heads, self.head_dim)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
+        qkv = self.qkv_proj(x).view(-1, self.num_heads + 2 * self.kv_heads, self.head_dim)
+        heads = self.num_heads + self.kv_heads
+        if self.q_norm is None:  # q and k rotate together: one pass over both
+            qk = apply_rotary(qkv[:, :heads], *rope)
+            q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
+        else:
+            q = apply_rotary(self.q_norm(qkv[:, : self.num_heads]), *rope)
+            k = apply_rotary(self.k_norm(qkv[:, self.num_heads : heads]), *rope)
+        v = qkv[:, heads:]
         ops.store_kv(k, v, kv_cache[0], kv_cache[1], batch.slot_mapping)
-        out = torch.empty_like(q)
-        self._attend(q, k, v, out, batch, kv_cache)
-        return self.o_proj(out.view(-1, self.q_size))
+        out = self._attend(q, k, v, batch, kv_cache)
+        return self.o_proj(out.reshape(-1, self.q_size))
 
     def _attend(
         self,
-        q: torch.Tensor,
-        k: torch.Tensor,
+        q: torch.Tensor,  # [N, num_heads, head_dim]
+        k: torch.Tensor,  # [N, kv_heads, head_dim]
         v: torch.Tensor,
-        out: torch.Tensor,
         batch: ForwardBatch,
         kv_cache: tuple[torch.Tensor, torch.Tensor],
-    ) -> None:
+    ) -> torch.Tensor:  # [N, num_heads, head_dim]
         key_cache, value_cache = kv_cache
         nd = batch.num_decodes
+        if nd == q.shape[0]:  # decode-only step: no output buffer to assemble
+            return ops.decode_attention(
+                q, key_cache, value_cache, batch.decode_block_tables, batch.decode_context_lens,
+                self.scale,
+            )  # fmt: skip
+        out = torch.empty_like(q)
         if nd:
             out[:nd] = ops.decode_attention(
                 q[:nd],
@@ -94,6 +99,7 @@ class Attention(nn.Module):
                 out[rows] = ops.prefill_attention(
                     q[rows], key_cache, value_cache, seg.block_table, seg.context_len, self.scale
                 )
+        return out
 
 
 class DecoderLayer(nn.Module):
