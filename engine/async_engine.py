@@ -19,7 +19,7 @@ import threading
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
-from engine.engine import LLMEngine
+from engine.engine import LLMEngine, RequestError
 from engine.output_processor import RequestState
 from engine.outputs import RequestOutput, SeqUpdate
 from engine.sampling_params import SamplingParams
@@ -77,6 +77,8 @@ class AsyncEngine:
         if self._error is not None:
             raise EngineDeadError(f"engine stopped: {self._error}")
         request_id = request_id or f"req-{next(self._ids)}"
+        if request_id in self._streams:
+            raise RequestError(f"request id {request_id!r} is already in use")
         self.engine.check_request(prompt_ids)
         stream: asyncio.Queue = asyncio.Queue()
         state = RequestState(request_id, prompt_ids, params, self.tokenizer)
@@ -85,6 +87,8 @@ class AsyncEngine:
         try:
             while True:
                 item = await stream.get()
+                if isinstance(item, RequestError):
+                    raise item
                 if isinstance(item, BaseException):
                     raise EngineDeadError(f"engine stopped: {item}") from item
                 yield item
@@ -119,12 +123,18 @@ class AsyncEngine:
                 if command is None:
                     command = self._commands.get_nowait()
                 if isinstance(command, _Add):
-                    self.engine.add_request(command.request_id, command.prompt_ids, command.params)
+                    self._add(command)
                 else:
                     self.engine.abort(command.request_id)
                 command = None
         except queue.Empty:
             return
+
+    def _add(self, command: _Add) -> None:
+        try:
+            self.engine.add_request(command.request_id, command.prompt_ids, command.params)
+        except RequestError as err:  # this request fails; the engine goes on
+            self._loop.call_soon_threadsafe(self._fail_one, command.request_id, err)
 
     # -- event loop ----------------------------------------------------------------------------
 
@@ -138,6 +148,11 @@ class AsyncEngine:
             if stop_string_hit:
                 self._commands.put(_Abort(update.request_id))
             stream.put_nowait(output)
+
+    def _fail_one(self, request_id: str, err: BaseException) -> None:
+        entry = self._streams.get(request_id)
+        if entry is not None:
+            entry[1].put_nowait(err)
 
     def _fail_all(self, err: BaseException) -> None:
         for _, stream in self._streams.values():
