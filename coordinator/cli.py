@@ -56,11 +56,14 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _describe(err: Exception) -> str:
     from engine.config import ConfigError
     from engine.engine import RequestError
+    from engine.fetch import FetchError
     from engine.sampling_params import SamplingError
     from engine.tokenizer import TokenizerError
     from engine.weights import WeightsError
 
-    expected = (CliError, ConfigError, RequestError, SamplingError, TokenizerError, WeightsError)
+    expected = (
+        CliError, ConfigError, FetchError, RequestError, SamplingError, TokenizerError, WeightsError
+    )  # fmt: skip
     if isinstance(err, expected):
         return str(err)
     return f"{type(err).__name__}: {err}"
