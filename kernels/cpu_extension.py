@@ -1,0 +1,37 @@
+"""tandem's C++ CPU ops (kernels/csrc), compiled on first use and cached per machine.
+
+torch's own ops lose most of a CPU decode step to per-op overhead and to copying K/V out of the
+paged cache; these kernels read the cache in place. Compilation takes about a minute once (the
+build lands in torch's extension cache); where no compiler is available the torch references
+are used instead, with a warning.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+from pathlib import Path
+from types import ModuleType
+
+log = logging.getLogger(__name__)
+SOURCES = [Path(__file__).parent / "csrc" / "decode_attention.cpp"]
+
+
+@functools.cache
+def load() -> ModuleType | None:
+    """The compiled module, or None when it cannot be built here."""
+    if os.environ.get("TANDEM_KERNELS") == "reference":
+        return None
+    try:
+        from torch.utils.cpp_extension import load as build
+
+        return build(
+            name="tandem_cpu_ops",
+            sources=[str(s) for s in SOURCES],
+            extra_cflags=["-O3", "-march=native", "-ffast-math", "-fopenmp"],
+            extra_ldflags=["-fopenmp"],
+        )
+    except Exception as err:  # no compiler, no ninja, a build error: fall back, loudly
+        log.warning("tandem CPU kernels unavailable, using torch references: %s", err)
+        return None
