@@ -12,16 +12,10 @@ from torch import nn
 
 from engine.config import ModelConfig
 from engine.forward_batch import ForwardBatch
-from engine.rope import RotaryEmbedding, apply_rotary
+from engine.rope import RotaryEmbedding
 from kernels import ops
 
 KVCaches = list[tuple[torch.Tensor, torch.Tensor]]  # per layer: key_cache, value_cache
-
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    # Normalise in float32 and cast back before the weight, as the reference implementation does.
-    normed = F.rms_norm(x.float(), x.shape[-1:], eps=eps)
-    return weight * normed.to(x.dtype)
 
 
 class RMSNorm(nn.Module):
@@ -30,8 +24,10 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(size), requires_grad=False)
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return rms_norm(x, self.weight, self.eps)
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., size]
+        if x.dim() == 2:
+            return ops.rms_norm(x, self.weight, self.eps)
+        return ops.rms_norm(x.reshape(-1, x.shape[-1]), self.weight, self.eps).view(x.shape)
 
 
 class Attention(nn.Module):
@@ -55,12 +51,12 @@ class Attention(nn.Module):
     ) -> torch.Tensor:  # [N, hidden]
         qkv = self.qkv_proj(x).view(-1, self.num_heads + 2 * self.kv_heads, self.head_dim)
         heads = self.num_heads + self.kv_heads
-        if self.q_norm is None:  # q and k rotate together: one pass over both
-            qk = apply_rotary(qkv[:, :heads], *rope)
-            q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
+        if self.q_norm is None:
+            q = ops.rotary(qkv[:, : self.num_heads], *rope)
+            k = ops.rotary(qkv[:, self.num_heads : heads], *rope)
         else:
-            q = apply_rotary(self.q_norm(qkv[:, : self.num_heads]), *rope)
-            k = apply_rotary(self.k_norm(qkv[:, self.num_heads : heads]), *rope)
+            q = ops.rotary(self.q_norm(qkv[:, : self.num_heads]), *rope)
+            k = ops.rotary(self.k_norm(qkv[:, self.num_heads : heads]), *rope)
         v = qkv[:, heads:]
         ops.store_kv(k, v, kv_cache[0], kv_cache[1], batch.slot_mapping)
         out = self._attend(q, k, v, batch, kv_cache)

@@ -54,13 +54,3 @@ class RotaryEmbedding:
         cos = self.cos.index_select(0, positions).unsqueeze(1)
         sin = self.sin.index_select(0, positions).unsqueeze(1)
         return cos, sin
-
-
-def apply_rotary(
-    x: torch.Tensor,  # [N, heads, head_dim]
-    cos: torch.Tensor,  # [N, 1, head_dim]
-    sin: torch.Tensor,
-) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin

@@ -15,7 +15,10 @@ from pathlib import Path
 from types import ModuleType
 
 log = logging.getLogger(__name__)
-SOURCES = [Path(__file__).parent / "csrc" / "decode_attention.cpp"]
+SOURCES = [
+    Path(__file__).parent / "csrc" / name
+    for name in ("module.cpp", "decode_attention.cpp", "norm_rope.cpp")
+]
 
 
 @functools.cache
@@ -29,7 +32,8 @@ def load() -> ModuleType | None:
         return build(
             name="tandem_cpu_ops",
             sources=[str(s) for s in SOURCES],
-            extra_cflags=["-O3", "-march=native", "-ffast-math", "-fopenmp"],
+            # no FMA contraction: the same roundings as the torch references
+            extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffp-contract=off"],
             extra_ldflags=["-fopenmp"],
         )
     except Exception as err:  # no compiler, no ninja, a build error: fall back, loudly

@@ -1,11 +1,13 @@
 """The ops the engine calls, bound to an implementation per device.
 
-On CPU, decode attention runs the C++ kernel from kernels/csrc when it builds here, otherwise the
-torch reference; Triton versions for CUDA plug in behind the same signatures.
-TANDEM_KERNELS=reference forces the torch references everywhere (for debugging a kernel).
+On CPU, decode attention, RMSNorm and rotary embedding run the C++ kernels of kernels/csrc when
+they build here, otherwise the torch references; Triton versions for CUDA plug in behind the
+same signatures. TANDEM_KERNELS=reference forces the torch references (to debug a kernel).
 """
 
 from __future__ import annotations
+
+from types import ModuleType
 
 import torch
 
@@ -13,9 +15,22 @@ from kernels import cpu_extension
 from kernels.decode_attention import decode_attention_ref
 from kernels.prefill_attention import causal_attention
 from kernels.prefill_attention import prefill_attention_ref as prefill_attention
+from kernels.rms_norm import rms_norm_ref
+from kernels.rotary import rotary_ref
 from kernels.store_kv import store_kv_ref as store_kv
 
-__all__ = ["causal_attention", "decode_attention", "prefill_attention", "store_kv"]
+__all__ = [
+    "causal_attention",
+    "decode_attention",
+    "prefill_attention",
+    "rms_norm",
+    "rotary",
+    "store_kv",
+]
+
+
+def _native(x: torch.Tensor) -> ModuleType | None:
+    return cpu_extension.load() if x.device.type == "cpu" else None
 
 
 def decode_attention(
@@ -26,9 +41,25 @@ def decode_attention(
     context_lens: torch.Tensor,  # [B] int64
     scale: float,
 ) -> torch.Tensor:  # [B, num_heads, head_dim]
-    native = cpu_extension.load() if query.device.type == "cpu" else None
+    native = _native(query)
     if native is not None:
         return native.decode_attention(
             query.contiguous(), key_cache, value_cache, block_tables, context_lens, scale
         )
     return decode_attention_ref(query, key_cache, value_cache, block_tables, context_lens, scale)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x: [N, D] (rows may be strided), weight: [D]."""
+    native = _native(x)
+    if native is not None and x.stride(-1) == 1:
+        return native.rms_norm(x, weight, eps)
+    return rms_norm_ref(x, weight, eps)
+
+
+def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: [N, heads, head_dim] (rows may be strided); cos, sin: [N, 1, head_dim]."""
+    native = _native(x)
+    if native is not None and x.stride(2) == 1 and x.stride(1) == x.shape[2]:
+        return native.rotary(x, cos, sin)
+    return rotary_ref(x, cos, sin)
