@@ -8,7 +8,7 @@ import os
 import sys
 from collections.abc import Callable, Sequence
 
-from coordinator import generate_cmd
+from coordinator import bench_cmd, generate_cmd
 
 EXIT_FAILURE = 1
 EXIT_USAGE = 2
@@ -29,6 +29,7 @@ def build_parser() -> argparse.ArgumentParser:
     fetch = commands.add_parser("fetch-model", help="prepare the default model, print its folder")
     fetch.set_defaults(run=_fetch_model)
     generate_cmd.add_parser(commands)
+    bench_cmd.add_parser(commands)
     return parser
 
 

@@ -1,0 +1,27 @@
+"""When each request is sent. Gaps between sends are gamma-distributed with shape = burstiness and
+mean 1 / rate, so their variance is mean**2 / burstiness: burstiness 1 is a Poisson process,
+below 1 burstier, above 1 more regular. The same seed gives the same schedule."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+ARRIVAL_STREAM = 1  # keeps the arrival draws independent of the dataset draws for one seed
+
+
+def arrival_gaps(count: int, request_rate: float, burstiness: float, seed: int) -> np.ndarray:
+    """`count` gaps in seconds; all zero at an infinite rate."""
+    if request_rate <= 0 or burstiness <= 0:
+        raise ValueError(f"rate and burstiness must be > 0, got {request_rate}, {burstiness}")
+    if math.isinf(request_rate):
+        return np.zeros(count)
+    rng = np.random.default_rng((seed, ARRIVAL_STREAM))
+    return rng.gamma(shape=burstiness, scale=1.0 / (request_rate * burstiness), size=count)
+
+
+def send_offsets(count: int, request_rate: float, burstiness: float, seed: int) -> np.ndarray:
+    """Seconds after the start at which each of `count` requests is sent; the first at 0."""
+    gaps = arrival_gaps(max(count - 1, 0), request_rate, burstiness, seed)
+    return np.concatenate(([0.0], np.cumsum(gaps)))[:count]

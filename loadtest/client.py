@@ -1,0 +1,139 @@
+"""Sending one streaming request and timing it the way vLLM's benchmark does. `send_request`
+never raises for a failed request: the failure is recorded in the result."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+
+import httpx
+
+from loadtest.config import SamplingConfig
+from loadtest.errors import describe_http_error, one_line
+from loadtest.sample import SampleRequest
+from loadtest.sse import parse_sse_line
+from loadtest.target import Target
+
+ERROR_BODY_LIMIT = 2000
+
+
+@dataclass(frozen=True)
+class RequestResult:
+    """One request as the client saw it. Times in seconds on the perf_counter clock."""
+
+    prompt_len: int
+    sent_at: float
+    ttft: float | None  # send -> first chunk carrying generated text
+    itl: tuple[float, ...]  # gaps between consecutive chunks carrying generated text
+    latency: float | None  # send -> last chunk carrying generated text (vLLM's E2EL)
+    output_tokens: int | None  # from the server's usage, or counted from the text afterwards
+    generated_text: str
+    error: str | None
+
+    @property
+    def success(self) -> bool:
+        return self.error is None
+
+
+def build_payload(target: Target, sample: SampleRequest, sampling: SamplingConfig) -> dict:
+    payload: dict[str, object] = {
+        "model": target.model,
+        "max_tokens": sample.expected_output_len,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    if target.is_chat:
+        payload["messages"] = [{"role": "user", "content": sample.prompt}]
+    else:
+        payload["prompt"] = sample.prompt
+    optional = {
+        "temperature": sampling.temperature,
+        "top_p": sampling.top_p,
+        "top_k": sampling.top_k,
+    }
+    payload.update({key: value for key, value in optional.items() if value is not None})
+    if sampling.ignore_eos:
+        payload["ignore_eos"] = True
+    return payload
+
+
+async def send_request(
+    client: httpx.AsyncClient, target: Target, payload: dict, prompt_len: int, timeout_s: float
+) -> RequestResult:
+    stream = _Stream(sent_at=time.perf_counter())
+    try:
+        error = await asyncio.wait_for(_post(client, target, payload, stream), timeout_s)
+    except asyncio.TimeoutError:
+        error = f"timed out after {timeout_s:g} s"
+    except httpx.ConnectError as err:
+        error = f"cannot connect to {target.url}: {one_line(str(err)) or 'ConnectError'}"
+    except httpx.HTTPError as err:
+        error = f"{type(err).__name__}: {one_line(str(err))}"
+    return stream.result(prompt_len, error)
+
+
+async def _post(
+    client: httpx.AsyncClient, target: Target, payload: dict, stream: _Stream
+) -> str | None:
+    async with client.stream("POST", target.url, json=payload, headers=target.headers) as response:
+        if response.status_code != 200:
+            body = await _read_some(response)
+            return describe_http_error(response.status_code, response.reason_phrase, body)
+        async for line in response.aiter_lines():
+            error = stream.on_line(line, time.perf_counter())
+            if error is not None or stream.done:
+                return error
+    return None if stream.done else "the stream ended before [DONE]"
+
+
+async def _read_some(response: httpx.Response) -> str:
+    body = b""
+    async for piece in response.aiter_bytes():
+        body += piece
+        if len(body) >= ERROR_BODY_LIMIT:
+            break
+    return body[:ERROR_BODY_LIMIT].decode("utf-8", errors="replace")
+
+
+@dataclass
+class _Stream:
+    """What one response has delivered so far; mutated only by its own request."""
+
+    sent_at: float
+    last_at: float | None = None
+    ttft: float | None = None
+    itl: list[float] = field(default_factory=list)
+    pieces: list[str] = field(default_factory=list)
+    output_tokens: int | None = None
+    done: bool = False
+
+    def on_line(self, line: str, now: float) -> str | None:
+        event = parse_sse_line(line)
+        if event is None:
+            return None
+        self.done = event.done
+        if event.completion_tokens is not None:
+            self.output_tokens = event.completion_tokens
+        if event.text:
+            if self.last_at is None:
+                self.ttft = now - self.sent_at
+            else:
+                self.itl.append(now - self.last_at)
+            self.last_at = now
+            self.pieces.append(event.text)
+        return event.error
+
+    def result(self, prompt_len: int, error: str | None) -> RequestResult:
+        if error is None and self.ttft is None:
+            error = "the stream carried no generated text"
+        return RequestResult(
+            prompt_len=prompt_len,
+            sent_at=self.sent_at,
+            ttft=self.ttft,
+            itl=tuple(self.itl),
+            latency=None if self.last_at is None else self.last_at - self.sent_at,
+            output_tokens=self.output_tokens,
+            generated_text="".join(self.pieces),
+            error=error,
+        )

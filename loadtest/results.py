@@ -1,0 +1,120 @@
+"""The result record of one run: a JSON-ready dict with vLLM's `bench serve` keys, plus tandem's
+extras (`e2els`, `start_times`, `aborted_requests`, `unsent_requests`, run settings). Per-request
+lists are parallel and cover every finished request, failed ones included, as in vLLM."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any, NamedTuple
+
+from loadtest.client import RequestResult
+from loadtest.errors import BenchError
+from loadtest.metrics import BenchmarkMetrics, Distribution, output_len
+from loadtest.runner import RunOutcome
+
+METRICS = ("ttft", "tpot", "itl", "e2el")
+REQUIRED_KEYS = ("duration", "completed", "ttfts", "itls", "output_lens", "errors")
+
+Record = dict[str, Any]  # one run's result, as saved to JSON
+
+
+class RequestRow(NamedTuple):
+    """One request read back from a record; times in seconds."""
+
+    start: float  # since the benchmark started
+    ttft: float
+    itl: list[float]
+    e2el: float
+    output_len: int
+    error: str  # "" when the request succeeded
+
+    @property
+    def tpot(self) -> float | None:
+        return (self.e2el - self.ttft) / (self.output_len - 1) if self.output_len > 1 else None
+
+
+def percentile_key(percentile: float, metric: str) -> str:
+    """p99_ttft_ms, p99.9_ttft_ms: vLLM's spelling."""
+    word = str(int(percentile)) if int(percentile) == percentile else str(percentile)
+    return f"p{word}_{metric}_ms"
+
+
+def result_record(
+    metrics: BenchmarkMetrics,
+    results: Sequence[RequestResult],
+    outcome: RunOutcome,
+    settings: Mapping[str, object],
+) -> Record:
+    record: Record = dict(settings)
+    record.update(
+        duration=outcome.duration_s,
+        completed=metrics.completed,
+        failed=metrics.failed,
+        aborted_requests=outcome.num_aborted,
+        unsent_requests=outcome.num_unsent,
+        total_input_tokens=metrics.total_input,
+        total_output_tokens=metrics.total_output,
+        request_throughput=metrics.request_throughput,
+        request_goodput=metrics.request_goodput,
+        output_throughput=metrics.output_throughput,
+        total_token_throughput=metrics.total_token_throughput,
+    )
+    for name in METRICS:
+        record.update(_distribution_keys(name, getattr(metrics, name)))
+    record.update(_per_request_lists(results, outcome.started_at))
+    return record
+
+
+def _distribution_keys(name: str, dist: Distribution) -> dict[str, float]:
+    keys = {f"mean_{name}_ms": dist.mean, f"median_{name}_ms": dist.median}
+    keys[f"std_{name}_ms"] = dist.std
+    keys.update({percentile_key(p, name): value for p, value in dist.percentiles.items()})
+    return keys
+
+
+def _per_request_lists(results: Sequence[RequestResult], started_at: float) -> dict[str, list]:
+    return {
+        "input_lens": [r.prompt_len for r in results],
+        "output_lens": [output_len(r) for r in results],
+        "ttfts": [_or_zero(r.ttft) for r in results],
+        "itls": [list(r.itl) for r in results],
+        "e2els": [_or_zero(r.latency) for r in results],
+        "start_times": [r.sent_at - started_at for r in results],
+        "generated_texts": [r.generated_text for r in results],
+        "errors": [r.error or "" for r in results],
+    }
+
+
+def _or_zero(seconds: float | None) -> float:
+    return 0.0 if seconds is None else seconds  # vLLM writes 0 for a request that never got a token
+
+
+def request_rows(record: Mapping[str, Any]) -> list[RequestRow]:
+    count = len(record["ttfts"])
+    starts = record.get("start_times") or [0.0] * count
+    e2els = record.get("e2els") or [0.0] * count
+    columns = (starts, record["ttfts"], record["itls"], e2els, record["output_lens"])
+    return [RequestRow(*fields) for fields in zip(*columns, record["errors"], strict=True)]
+
+
+def save_record(record: Mapping[str, Any], path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(record) + "\n", encoding="utf-8")
+
+
+def load_record(path: Path) -> Record:
+    """A saved single-run record; BenchError when the file is not one."""
+    try:
+        record = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise BenchError(f"result file {path} does not exist") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise BenchError(f"result file {path} is not readable JSON: {err}") from None
+    if isinstance(record, dict) and "runs" in record and "sweep" in record:
+        raise BenchError(f"result file {path} is a sweep; compare takes single-run results")
+    missing = [key for key in REQUIRED_KEYS if not isinstance(record, dict) or key not in record]
+    if missing:
+        raise BenchError(f"result file {path} is not a benchmark result (no {', '.join(missing)})")
+    return record

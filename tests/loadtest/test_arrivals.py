@@ -1,0 +1,54 @@
+"""The arrival process: gamma gaps with mean 1/rate and variance mean^2/burstiness, seeded."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from loadtest.arrivals import arrival_gaps, send_offsets
+
+COUNT = 40_000
+
+
+@pytest.mark.parametrize("rate", [0.5, 4.0, 50.0])
+def test_poisson_gaps_have_the_requested_mean(rate: float) -> None:
+    gaps = arrival_gaps(COUNT, rate, burstiness=1.0, seed=0)
+    assert gaps.mean() == pytest.approx(1 / rate, rel=0.02)
+    assert gaps.var() == pytest.approx(1 / rate**2, rel=0.05)  # exponential: variance = mean^2
+
+
+@pytest.mark.parametrize("burstiness", [0.25, 1.0, 4.0])
+def test_burstiness_sets_the_variance(burstiness: float) -> None:
+    rate = 2.0
+    gaps = arrival_gaps(COUNT, rate, burstiness, seed=3)
+    assert gaps.mean() == pytest.approx(1 / rate, rel=0.03)
+    assert gaps.var() == pytest.approx((1 / rate) ** 2 / burstiness, rel=0.08)
+
+
+def test_lower_burstiness_is_burstier() -> None:
+    variances = [arrival_gaps(COUNT, 1.0, b, seed=1).var() for b in (0.5, 1.0, 2.0)]
+    assert variances[0] > variances[1] > variances[2]
+
+
+def test_same_seed_same_schedule() -> None:
+    first = arrival_gaps(100, 3.0, 1.0, seed=7)
+    assert np.array_equal(first, arrival_gaps(100, 3.0, 1.0, seed=7))
+    assert not np.array_equal(first, arrival_gaps(100, 3.0, 1.0, seed=8))
+
+
+def test_infinite_rate_sends_everything_at_once() -> None:
+    assert np.array_equal(send_offsets(5, math.inf, 1.0, seed=0), np.zeros(5))
+
+
+def test_offsets_start_at_zero_and_accumulate_the_gaps() -> None:
+    offsets = send_offsets(6, 2.0, 1.0, seed=0)
+    assert offsets[0] == 0.0
+    assert np.allclose(np.diff(offsets), arrival_gaps(5, 2.0, 1.0, seed=0))
+
+
+@pytest.mark.parametrize(("rate", "burstiness"), [(0.0, 1.0), (-1.0, 1.0), (1.0, 0.0)])
+def test_rejects_non_positive_parameters(rate: float, burstiness: float) -> None:
+    with pytest.raises(ValueError):
+        arrival_gaps(3, rate, burstiness, seed=0)

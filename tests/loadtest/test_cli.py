@@ -1,0 +1,42 @@
+"""`tandem bench` through the real `tandem` entry point: exit codes and one-line errors."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from coordinator import cli
+
+
+@pytest.fixture
+def tandem():
+    """The real `tandem` entry point."""
+    return cli.main
+
+
+def test_successful_run_exits_zero(tandem, serve, tmp_path: Path, capsys) -> None:
+    server = serve(ttft_s=0.01, itl_s=0.005)
+    saved = tmp_path / "r.json"
+    argv = ["bench", "--base-url", server.url, "--num-prompts", "3", "--random-input-len", "4"]
+    argv += ["--random-output-len", "2", "--disable-tqdm", "--save-result", str(saved)]
+    assert tandem(argv) == 0
+    assert "Successful requests:" + " " * 20 + "3" in capsys.readouterr().out
+    assert json.loads(saved.read_text())["completed"] == 3
+
+
+def test_failure_is_one_line_and_exit_one(tandem, serve, capsys) -> None:
+    server = serve()
+    argv = ["bench", "--base-url", server.url, "--endpoint", "/v2/nothing", "--num-prompts", "1"]
+    assert tandem(argv) == 1
+    err = capsys.readouterr().err.strip()
+    expected = f"the first request to {server.url}/v2/nothing failed: HTTP 404 Not Found"
+    assert err.startswith(f"tandem bench: error: {expected}")
+    assert "\n" not in err and "Traceback" not in err
+
+
+def test_compare_missing_file(tandem, tmp_path: Path, capsys) -> None:
+    assert tandem(["bench", "compare", str(tmp_path / "a.json"), str(tmp_path / "b.json")]) == 1
+    err = capsys.readouterr().err.strip()
+    assert err == f"tandem bench: error: result file {tmp_path / 'a.json'} does not exist"
