@@ -7,7 +7,6 @@ The projections are fused at load time (q|k|v and gate|up) so each layer runs fo
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from engine.config import ModelConfig
@@ -115,8 +114,8 @@ class DecoderLayer(nn.Module):
         rope: tuple[torch.Tensor, torch.Tensor],
     ) -> torch.Tensor:
         x = x + self.attn(self.input_norm(x), batch, kv_cache, rope)
-        gate, up = self.gate_up_proj(self.post_attn_norm(x)).chunk(2, dim=-1)
-        return x + self.down_proj(F.silu(gate) * up)
+        gate_up = self.gate_up_proj(self.post_attn_norm(x))
+        return x + self.down_proj(ops.silu_and_mul(gate_up))
 
 
 class CausalLM(nn.Module):
@@ -134,13 +133,13 @@ class CausalLM(nn.Module):
         self.requires_grad_(False)
 
     def forward(self, batch: ForwardBatch, kv_caches: KVCaches) -> torch.Tensor:
-        """Runs every row; returns float32 logits [S, vocab] for the rows in logits_indices."""
+        """Runs every row; returns logits [S, vocab] (model dtype) for the logits_indices rows."""
         x = self.embed_tokens(batch.input_ids)
         rope = self.rope.lookup(batch.positions)
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             x = layer(x, batch, kv_cache, rope)
         x = self.norm(x[batch.logits_indices])
-        return self.lm_head(x).float()
+        return self.lm_head(x)
 
     def checkpoint_sources(self) -> dict[str, list[tuple[str, int]]]:
         """Our parameter -> (checkpoint tensor, its rows): the tensors concatenated on dim 0."""

@@ -1,4 +1,4 @@
-"""Sampler: next-token choice for each sequence of a step, from its float32 logits.
+"""Sampler: next-token choice for each sequence of a step, from its logits (float32 math).
 
 Seeded requests draw their noise from their own generator, one draw of `vocab` values per token,
 so a seed gives the same tokens whatever else shares the batch.
@@ -35,7 +35,10 @@ class SamplerOutput(NamedTuple):
 
 
 def sample(logits: torch.Tensor, rows: list[SampleRow]) -> SamplerOutput:
-    """logits: [S, vocab] float32, one row per entry of `rows`."""
+    """logits: [S, vocab], one row per entry of `rows`. A batch of plain greedy rows takes the
+    argmax in the model's dtype (exact: widening to float32 keeps order and ties)."""
+    if not all(_plain_greedy(row) for row in rows):
+        logits = logits.float()
     raw = logits
     if any(row.params.has_penalties for row in rows):
         logits = logits.clone()
@@ -53,6 +56,11 @@ def sample(logits: torch.Tensor, rows: list[SampleRow]) -> SamplerOutput:
         tokens[random_rows] = picked
     token_ids = tokens.tolist()
     return SamplerOutput(token_ids, _logprobs(raw, rows, token_ids))
+
+
+def _plain_greedy(row: SampleRow) -> bool:
+    p = row.params
+    return p.greedy and not p.has_penalties and not row.blocked_ids and p.logprobs is None
 
 
 def apply_penalties(logits: torch.Tensor, row: SampleRow) -> None:

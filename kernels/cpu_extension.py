@@ -17,7 +17,7 @@ from types import ModuleType
 log = logging.getLogger(__name__)
 SOURCES = [
     Path(__file__).parent / "csrc" / name
-    for name in ("module.cpp", "decode_attention.cpp", "norm_rope.cpp")
+    for name in ("module.cpp", "decode_attention.cpp", "norm_rope.cpp", "cache_mlp.cpp")
 ]
 
 

@@ -1,8 +1,8 @@
 """The ops the engine calls, bound to an implementation per device.
 
-On CPU, decode attention, RMSNorm and rotary embedding run the C++ kernels of kernels/csrc when
-they build here, otherwise the torch references; Triton versions for CUDA plug in behind the
-same signatures. TANDEM_KERNELS=reference forces the torch references (to debug a kernel).
+On CPU, decode attention, RMSNorm, rotary embedding, KV stores and SiLU-and-mul run the C++
+kernels of kernels/csrc when they build here, otherwise the torch references; Triton versions
+for CUDA plug in behind the same signatures. TANDEM_KERNELS=reference forces the references.
 """
 
 from __future__ import annotations
@@ -17,7 +17,8 @@ from kernels.prefill_attention import causal_attention
 from kernels.prefill_attention import prefill_attention_ref as prefill_attention
 from kernels.rms_norm import rms_norm_ref
 from kernels.rotary import rotary_ref
-from kernels.store_kv import store_kv_ref as store_kv
+from kernels.silu_and_mul import silu_and_mul_ref
+from kernels.store_kv import store_kv_ref
 
 __all__ = [
     "causal_attention",
@@ -25,6 +26,7 @@ __all__ = [
     "prefill_attention",
     "rms_norm",
     "rotary",
+    "silu_and_mul",
     "store_kv",
 ]
 
@@ -63,3 +65,24 @@ def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
     if native is not None and x.stride(2) == 1 and x.stride(1) == x.shape[2]:
         return native.rotary(x, cos, sin)
     return rotary_ref(x, cos, sin)
+
+
+def store_kv(
+    key: torch.Tensor,  # [N, kv_heads, head_dim]
+    value: torch.Tensor,
+    key_cache: torch.Tensor,  # [num_blocks, block_size, kv_heads, head_dim]
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,  # [N] int64
+) -> None:
+    native = _native(key)
+    if native is not None:
+        native.store_kv(key, value, key_cache, value_cache, slot_mapping)
+    else:
+        store_kv_ref(key, value, key_cache, value_cache, slot_mapping)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:  # [N, 2*I] -> [N, I]
+    native = _native(x)
+    if native is not None and x.is_contiguous():
+        return native.silu_and_mul(x)
+    return silu_and_mul_ref(x)

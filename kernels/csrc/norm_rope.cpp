@@ -35,6 +35,13 @@ void rms_norm_kernel(const T* x, const T* weight, T* out, int64_t rows, int64_t 
   });
 }
 
+template <typename T>
+inline T rotate_one(T x, float rotated, T cos, T sin) {
+  const T a = round_to<T>(static_cast<float>(x) * static_cast<float>(cos));
+  const T b = round_to<T>(static_cast<float>(round_to<T>(rotated)) * static_cast<float>(sin));
+  return round_to<T>(static_cast<float>(a) + static_cast<float>(b));
+}
+
 // x: rows of `heads` head vectors, row stride `row_stride`; cos/sin: [rows, head_dim].
 template <typename T>
 void rotary_kernel(const T* x, const T* cos, const T* sin, T* out, int64_t rows, int64_t heads,
@@ -47,14 +54,11 @@ void rotary_kernel(const T* x, const T* cos, const T* sin, T* out, int64_t rows,
       for (int64_t h = 0; h < heads; ++h) {
         const T* xh = x + r * row_stride + h * head_dim;
         T* o = out + (r * heads + h) * head_dim;
-        for (int64_t d = 0; d < head_dim; ++d) {
-          const float rotated = d < half ? -static_cast<float>(xh[d + half])
-                                         : static_cast<float>(xh[d - half]);
-          const T a = round_to<T>(static_cast<float>(xh[d]) * static_cast<float>(c[d]));
-          const T b = round_to<T>(static_cast<float>(round_to<T>(rotated)) *
-                                  static_cast<float>(s[d]));
-          o[d] = round_to<T>(static_cast<float>(a) + static_cast<float>(b));
-        }
+        // first half: x*cos - x[d+half]*sin; second half: x*cos + x[d-half]*sin
+        for (int64_t d = 0; d < half; ++d)
+          o[d] = rotate_one<T>(xh[d], -static_cast<float>(xh[d + half]), c[d], s[d]);
+        for (int64_t d = half; d < head_dim; ++d)
+          o[d] = rotate_one<T>(xh[d], static_cast<float>(xh[d - half]), c[d], s[d]);
       }
     }
   });

@@ -1,4 +1,4 @@
-"""C++ CPU RMSNorm and rotary embedding against their torch references."""
+"""C++ CPU RMSNorm, rotary embedding, SiLU-and-mul and KV store against their references."""
 
 from __future__ import annotations
 
@@ -45,3 +45,25 @@ def test_rotary_matches_reference_on_a_strided_slice(dtype: torch.dtype) -> None
     want = rotary_ref(qkv[:, :3], cos, sin)
     assert got.is_contiguous()
     torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_silu_and_mul_matches_reference(dtype: torch.dtype) -> None:
+    from kernels.silu_and_mul import silu_and_mul_ref
+
+    x = (torch.randn(5, 2 * 48, generator=torch.Generator().manual_seed(2)) * 4).to(dtype)
+    torch.testing.assert_close(native.silu_and_mul(x), silu_and_mul_ref(x), rtol=1e-2, atol=1e-2)
+
+
+def test_store_kv_writes_exactly_the_slots() -> None:
+    from kernels.store_kv import store_kv_ref
+
+    caches = [torch.zeros(6, 4, 2, 8) for _ in range(4)]
+    qkv = torch.randn(3, 5, 8)  # store from strided views, as the model does
+    key, value = qkv[:, 1:3], qkv[:, 3:5]
+    slots = torch.tensor([7, 0, 23])
+    native.store_kv(key, value, caches[0], caches[1], slots)
+    store_kv_ref(key, value, caches[2], caches[3], slots)
+    assert torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])
+    with pytest.raises(RuntimeError, match="slot out of range"):
+        native.store_kv(key, value, caches[0], caches[1], torch.tensor([0, 1, 24]))
