@@ -1,7 +1,8 @@
 """tandem's C++ CPU ops (kernels/csrc), compiled on first use and cached per machine.
 
-A CPU decode step of a small model dispatches over a thousand tiny torch ops; each of these
-kernels replaces a chain of them with one pass. Compilation takes about a minute once (the
+A CPU decode step of a small model dispatches over a thousand tiny torch ops and copies K/V out
+of the paged cache for attention; these kernels replace op chains with one pass and read the
+cache in place. Compilation takes about a minute once (the
 build lands in torch's extension cache); where no compiler is available the torch references
 are used instead, with a warning.
 """
@@ -17,7 +18,7 @@ from types import ModuleType
 log = logging.getLogger(__name__)
 SOURCES = [
     Path(__file__).parent / "csrc" / name
-    for name in ("module.cpp", "norm_rope.cpp", "cache_mlp.cpp")
+    for name in ("module.cpp", "decode_attention.cpp", "norm_rope.cpp", "cache_mlp.cpp")
 ]
 
 
@@ -33,15 +34,10 @@ def load() -> ModuleType | None:
             name="tandem_cpu_ops",
             sources=[str(s) for s in SOURCES],
             # fast-math for vectorized exp (glibc's vector math); no FMA contraction, so
-            # element-wise ops round exactly as the torch references do. SIMD pragmas only, no
-            # OpenMP runtime: a second runtime beside torch's makes both spin against each other.
-            extra_cflags=[
-                "-O3",
-                "-march=native",
-                "-fopenmp-simd",
-                "-ffast-math",
-                "-ffp-contract=off",
-            ],
+            # element-wise ops round exactly as the torch references do. -fopenmp at compile
+            # time only: at::parallel_for then runs on the OpenMP runtime torch has loaded
+            # (linking a runtime of our own made the two spin against each other).
+            extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffast-math", "-ffp-contract=off"],
         )
     except Exception as err:  # no compiler, no ninja, a build error: fall back, loudly
         log.warning("tandem CPU kernels unavailable, using torch references: %s", err)

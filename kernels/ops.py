@@ -1,7 +1,7 @@
 """The ops the engine calls, bound to an implementation per device.
 
-On CPU, RMSNorm, rotary embedding, KV stores and SiLU-and-mul run the C++ kernels of
-kernels/csrc when they build here, otherwise the torch references; Triton versions
+On CPU, decode attention, RMSNorm, rotary embedding, KV stores and SiLU-and-mul run the C++
+kernels of kernels/csrc when they build here, otherwise the torch references; Triton versions
 for CUDA plug in behind the same signatures. TANDEM_KERNELS=reference forces the references.
 """
 
@@ -12,10 +12,7 @@ from types import ModuleType
 import torch
 
 from kernels import cpu_extension
-
-# Decode attention stays gather + SDPA on CPU: a C++ kernel reading the cache in place measured
-# slower than it on these machines.
-from kernels.decode_attention import decode_attention_ref as decode_attention
+from kernels.decode_attention import decode_attention_ref
 from kernels.prefill_attention import causal_attention
 from kernels.prefill_attention import prefill_attention_ref as prefill_attention
 from kernels.rms_norm import rms_norm_ref
@@ -36,6 +33,22 @@ __all__ = [
 
 def _native(x: torch.Tensor) -> ModuleType | None:
     return cpu_extension.load() if x.device.type == "cpu" else None
+
+
+def decode_attention(
+    query: torch.Tensor,  # [B, num_heads, head_dim]
+    key_cache: torch.Tensor,  # [num_blocks, block_size, kv_heads, head_dim]
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,  # [B, max_blocks] int64
+    context_lens: torch.Tensor,  # [B] int64
+    scale: float,
+) -> torch.Tensor:  # [B, num_heads, head_dim]
+    native = _native(query)
+    if native is not None and query.shape[-1] in (32, 64, 128, 256):
+        return native.decode_attention(
+            query.contiguous(), key_cache, value_cache, block_tables, context_lens, scale
+        )
+    return decode_attention_ref(query, key_cache, value_cache, block_tables, context_lens, scale)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
