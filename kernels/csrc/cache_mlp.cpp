@@ -1,10 +1,13 @@
 // Small CPU ops around the matmuls: writing new K/V into the paged cache, and SiLU(gate) * up.
 #include <torch/extension.h>
+#include <ATen/Parallel.h>
 
 #include <cmath>
 #include <cstring>
 
 namespace {
+
+constexpr int64_t kRowsPerTask = 64;
 
 template <typename T>
 void store_rows(const T* src, int64_t src_stride, T* cache, const int64_t* slots, int64_t rows,
@@ -16,16 +19,19 @@ void store_rows(const T* src, int64_t src_stride, T* cache, const int64_t* slots
 // Rounds like the reference: silu(gate) is rounded to T before the multiply.
 template <typename T>
 void silu_and_mul_kernel(const T* x, T* out, int64_t rows, int64_t width) {
-  for (int64_t r = 0; r < rows; ++r) {
-    const T* gate = x + r * 2 * width;
-    const T* up = gate + width;
-    T* o = out + r * width;
-    for (int64_t i = 0; i < width; ++i) {
-      const float g = static_cast<float>(gate[i]);
-      const T activated = static_cast<T>(g / (1.f + std::exp(-g)));
-      o[i] = static_cast<T>(static_cast<float>(activated) * static_cast<float>(up[i]));
+  // Rows in parallel on torch's thread pool; a decode batch is one chunk, run inline.
+  at::parallel_for(0, rows, kRowsPerTask, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const T* gate = x + r * 2 * width;
+      const T* up = gate + width;
+      T* o = out + r * width;
+      for (int64_t i = 0; i < width; ++i) {
+        const float g = static_cast<float>(gate[i]);
+        const T activated = static_cast<T>(g / (1.f + std::exp(-g)));
+        o[i] = static_cast<T>(static_cast<float>(activated) * static_cast<float>(up[i]));
+      }
     }
-  }
+  });
 }
 
 }  // namespace

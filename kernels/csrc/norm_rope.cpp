@@ -2,10 +2,13 @@
 // Rounding follows the reference implementation: normalise in float32, round to the model dtype,
 // then multiply by the weight; rotary rounds x*cos and rotate_half(x)*sin before adding them.
 #include <torch/extension.h>
+#include <ATen/Parallel.h>
 
 #include <cmath>
 
 namespace {
+
+constexpr int64_t kRowsPerTask = 64;
 
 template <typename T>
 inline T round_to(float value) {
@@ -15,21 +18,24 @@ inline T round_to(float value) {
 template <typename T>
 void rms_norm_kernel(const T* x, const T* weight, T* out, int64_t rows, int64_t dim,
                      int64_t row_stride, float eps) {
-  for (int64_t r = 0; r < rows; ++r) {
-    const T* xr = x + r * row_stride;
-    float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-    for (int64_t d = 0; d < dim; ++d) {
-      const float v = static_cast<float>(xr[d]);
-      sum += v * v;
+  // Rows in parallel on torch's thread pool; a decode batch is one chunk, run inline.
+  at::parallel_for(0, rows, kRowsPerTask, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const T* xr = x + r * row_stride;
+      float sum = 0.f;
+  #pragma omp simd reduction(+ : sum)
+      for (int64_t d = 0; d < dim; ++d) {
+        const float v = static_cast<float>(xr[d]);
+        sum += v * v;
+      }
+      const float inv = 1.f / std::sqrt(sum / dim + eps);
+      T* o = out + r * dim;
+      for (int64_t d = 0; d < dim; ++d) {
+        const T normed = round_to<T>(static_cast<float>(xr[d]) * inv);
+        o[d] = round_to<T>(static_cast<float>(weight[d]) * static_cast<float>(normed));
+      }
     }
-    const float inv = 1.f / std::sqrt(sum / dim + eps);
-    T* o = out + r * dim;
-    for (int64_t d = 0; d < dim; ++d) {
-      const T normed = round_to<T>(static_cast<float>(xr[d]) * inv);
-      o[d] = round_to<T>(static_cast<float>(weight[d]) * static_cast<float>(normed));
-    }
-  }
+  });
 }
 
 template <typename T>
@@ -44,19 +50,22 @@ template <typename T>
 void rotary_kernel(const T* x, const T* cos, const T* sin, T* out, int64_t rows, int64_t heads,
                    int64_t head_dim, int64_t row_stride) {
   const int64_t half = head_dim / 2;
-  for (int64_t r = 0; r < rows; ++r) {
-    const T* c = cos + r * head_dim;
-    const T* s = sin + r * head_dim;
-    for (int64_t h = 0; h < heads; ++h) {
-      const T* xh = x + r * row_stride + h * head_dim;
-      T* o = out + (r * heads + h) * head_dim;
-      // first half: x*cos - x[d+half]*sin; second half: x*cos + x[d-half]*sin
-      for (int64_t d = 0; d < half; ++d)
-        o[d] = rotate_one<T>(xh[d], -static_cast<float>(xh[d + half]), c[d], s[d]);
-      for (int64_t d = half; d < head_dim; ++d)
-        o[d] = rotate_one<T>(xh[d], static_cast<float>(xh[d - half]), c[d], s[d]);
+  // Rows in parallel on torch's thread pool; a decode batch is one chunk, run inline.
+  at::parallel_for(0, rows, kRowsPerTask, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const T* c = cos + r * head_dim;
+      const T* s = sin + r * head_dim;
+      for (int64_t h = 0; h < heads; ++h) {
+        const T* xh = x + r * row_stride + h * head_dim;
+        T* o = out + (r * heads + h) * head_dim;
+        // first half: x*cos - x[d+half]*sin; second half: x*cos + x[d-half]*sin
+        for (int64_t d = 0; d < half; ++d)
+          o[d] = rotate_one<T>(xh[d], -static_cast<float>(xh[d + half]), c[d], s[d]);
+        for (int64_t d = half; d < head_dim; ++d)
+          o[d] = rotate_one<T>(xh[d], static_cast<float>(xh[d - half]), c[d], s[d]);
+      }
     }
-  }
+  });
 }
 
 }  // namespace
