@@ -99,10 +99,30 @@ def _add_dataset_flags(g: argparse._ArgumentGroup) -> None:
         "--random-prefix-len", type=int, default=RandomSpec.prefix_len, help="shared prefix"
     )
     g.add_argument("--sharegpt-output-len", type=int, help="(default: the recorded reply's)")
-    g.add_argument("--prefix-repetition-num-prefixes", type=int, default=10, help="prefixes")
-    g.add_argument("--prefix-repetition-prefix-len", type=int, default=256, help="tokens")
-    g.add_argument("--prefix-repetition-suffix-len", type=int, default=256, help="tokens")
-    g.add_argument("--prefix-repetition-output-len", type=int, default=128, help="tokens")
+    g.add_argument(
+        "--prefix-repetition-num-prefixes",
+        type=int,
+        default=PrefixRepetitionSpec.num_prefixes,
+        help="prefixes",
+    )
+    g.add_argument(
+        "--prefix-repetition-prefix-len",
+        type=int,
+        default=PrefixRepetitionSpec.prefix_len,
+        help="tokens",
+    )
+    g.add_argument(
+        "--prefix-repetition-suffix-len",
+        type=int,
+        default=PrefixRepetitionSpec.suffix_len,
+        help="tokens",
+    )
+    g.add_argument(
+        "--prefix-repetition-output-len",
+        type=int,
+        default=PrefixRepetitionSpec.output_len,
+        help="tokens",
+    )
     g.add_argument("--mixed-short-len", type=int, default=MixedSpec.short_len, help="tokens")
     g.add_argument("--mixed-long-len", type=int, default=MixedSpec.long_len, help="tokens")
     g.add_argument(

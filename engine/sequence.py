@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import enum
-import time
 from dataclasses import dataclass, field
 
 from engine.sampling_params import SamplingParams
@@ -32,7 +31,6 @@ class Sequence:
     token_ids: list[int]  # prompt, then the output so far
     num_prompt_tokens: int
     params: SamplingParams
-    arrival_time: float = field(default_factory=time.monotonic)
     status: SequenceStatus = SequenceStatus.WAITING
     num_computed_tokens: int = 0
     num_cached_prompt_tokens: int = 0  # prompt tokens found in the prefix cache at admission
