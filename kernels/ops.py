@@ -13,6 +13,8 @@ import torch
 
 from kernels import cpu_extension
 from kernels.decode_attention import decode_attention_ref
+from kernels.pack_kv import pack_kv_ref as pack_kv
+from kernels.pack_kv import unpack_kv_ref as unpack_kv
 from kernels.prefill_attention import causal_attention
 from kernels.prefill_attention import prefill_attention_ref as prefill_attention
 from kernels.rms_norm import rms_norm_ref
@@ -23,11 +25,13 @@ from kernels.store_kv import store_kv_ref
 __all__ = [
     "causal_attention",
     "decode_attention",
+    "pack_kv",
     "prefill_attention",
     "rms_norm",
     "rotary",
     "silu_and_mul",
     "store_kv",
+    "unpack_kv",
 ]
 
 

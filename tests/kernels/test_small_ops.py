@@ -67,3 +67,21 @@ def test_store_kv_writes_exactly_the_slots() -> None:
     assert torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])
     with pytest.raises(RuntimeError, match="slot out of range"):
         native.store_kv(key, value, caches[0], caches[1], torch.tensor([0, 1, 24]))
+
+
+def test_pack_then_unpack_moves_exactly_the_slots():
+    from kernels import ops
+
+    torch.manual_seed(0)
+    src_k, src_v = torch.randn(6, 4, 2, 8), torch.randn(6, 4, 2, 8)
+    slots = torch.tensor([5, 6, 7, 8, 21, 0])  # crosses block boundaries, out of order
+    buffer = ops.pack_kv(src_k, src_v, slots)
+    assert buffer.shape == (2, 6, 2, 8)
+    assert torch.equal(buffer[0], src_k.view(-1, 2, 8)[slots])
+    dst_k, dst_v = torch.zeros(6, 4, 2, 8), torch.zeros(6, 4, 2, 8)
+    dest = torch.tensor([12, 13, 14, 15, 2, 3])
+    ops.unpack_kv(buffer, dst_k, dst_v, dest)
+    assert torch.equal(dst_v.view(-1, 2, 8)[dest], src_v.view(-1, 2, 8)[slots])
+    untouched = torch.ones(24, dtype=torch.bool)
+    untouched[dest] = False
+    assert not dst_k.view(-1, 2, 8)[untouched].any()

@@ -1,0 +1,33 @@
+"""pack_kv / unpack_kv: one layer's K/V for a request's slots <-> one contiguous transfer buffer.
+
+The buffer holds K then V:  buffer[0] = K rows, buffer[1] = V rows, in slot order.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def pack_kv_ref(
+    key_cache: torch.Tensor,  # [num_blocks, block_size, kv_heads, head_dim]
+    value_cache: torch.Tensor,
+    slots: torch.Tensor,  # [N] int64
+    out: torch.Tensor | None = None,  # [2, N, kv_heads, head_dim]
+) -> torch.Tensor:  # [2, N, kv_heads, head_dim]
+    kv_heads, head_dim = key_cache.shape[2:]
+    if out is None:
+        out = key_cache.new_empty((2, slots.numel(), kv_heads, head_dim))
+    torch.index_select(key_cache.view(-1, kv_heads, head_dim), 0, slots, out=out[0])
+    torch.index_select(value_cache.view(-1, kv_heads, head_dim), 0, slots, out=out[1])
+    return out
+
+
+def unpack_kv_ref(
+    buffer: torch.Tensor,  # [2, N, kv_heads, head_dim]
+    key_cache: torch.Tensor,  # [num_blocks, block_size, kv_heads, head_dim]
+    value_cache: torch.Tensor,
+    slots: torch.Tensor,  # [N] int64
+) -> None:
+    kv_heads, head_dim = key_cache.shape[2:]
+    key_cache.view(-1, kv_heads, head_dim).index_copy_(0, slots, buffer[0])
+    value_cache.view(-1, kv_heads, head_dim).index_copy_(0, slots, buffer[1])
