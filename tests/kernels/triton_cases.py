@@ -1,0 +1,49 @@
+"""Shared helpers of the Triton kernel tests: skip marks and small paged caches."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import pytest
+import torch
+
+HAVE_TRITON = importlib.util.find_spec("triton") is not None
+INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+# Interpreted on CPU tensors (TRITON_INTERPRET=1, small shapes).
+interpreted = pytest.mark.skipif(
+    not (HAVE_TRITON and INTERPRETED), reason="needs triton with TRITON_INTERPRET=1"
+)
+# Compiled for a GPU, real shapes (mark those tests `gpu` as well).
+compiled = pytest.mark.skipif(
+    not (HAVE_TRITON and torch.cuda.is_available() and not INTERPRETED),
+    reason="needs CUDA and triton (not interpreted)",
+)
+HALF_DTYPES = [torch.float16, torch.bfloat16]
+
+
+def device() -> str:
+    return "cpu" if INTERPRETED else "cuda"
+
+
+def paged_cache(
+    num_blocks: int,
+    block_size: int,
+    kv_heads: int,
+    head_dim: int,
+    dtype: torch.dtype,
+    gen: torch.Generator,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    shape = (num_blocks, block_size, kv_heads, head_dim)
+    key_cache = torch.randn(shape, generator=gen).to(device=device(), dtype=dtype)
+    value_cache = torch.randn(shape, generator=gen).to(device=device(), dtype=dtype)
+    return key_cache, value_cache
+
+
+def shuffled_slots(
+    num_blocks: int, block_size: int, count: int, gen: torch.Generator
+) -> torch.Tensor:  # [count] int64: distinct slots in shuffled, non-contiguous blocks
+    blocks = torch.randperm(num_blocks, generator=gen)[: -(-count // block_size)]
+    slots = (blocks[:, None] * block_size + torch.arange(block_size)).flatten()[:count]
+    return slots.to(device())
