@@ -28,6 +28,11 @@ def num_blocks_for(num_tokens: int, block_size: int) -> int:
     return -(-num_tokens // block_size)
 
 
+def slots_of(block_table: Sequence[int], start: int, end: int, block_size: int) -> list[int]:
+    """Cache slots of token positions [start, end): slot = block * block_size + offset."""
+    return [block_table[p // block_size] * block_size + p % block_size for p in range(start, end)]
+
+
 class BlockManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
         self.num_blocks = num_blocks

@@ -5,18 +5,23 @@ Not thread-safe: one thread owns an engine (`AsyncEngine` runs it in its own thr
 
 from __future__ import annotations
 
+import functools
 import logging
+import time
+from collections.abc import Callable
+from collections.abc import Sequence as Sequence_
+from typing import NamedTuple
 
 import torch
 
-from engine.block_manager import BlockManager
+from engine.block_manager import BlockManager, num_blocks_for
 from engine.config import ConfigError, EngineConfig, ModelConfig
 from engine.kv_cache import num_blocks_for_budget
 from engine.outputs import SeqUpdate
 from engine.runner import DTYPES, ModelRunner
 from engine.sampler import SampleRow, TokenLogprobs
 from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler, SchedulerConfig
+from engine.scheduler import Scheduler, SchedulerConfig, StepPlan
 from engine.sequence import FinishReason, Sequence
 from engine.stop import blocked_tokens, check_stop
 
@@ -25,6 +30,21 @@ log = logging.getLogger(__name__)
 
 class RequestError(ValueError):
     """A request this engine cannot take (too long, duplicate id, empty prompt)."""
+
+
+class Reservation(NamedTuple):
+    block_table: tuple[int, ...]  # covers every token of the request
+    num_cached_tokens: int  # leading tokens whose KV this engine already holds
+
+
+PlanLayerHook = Callable[[StepPlan, int], None]
+
+
+def skip_draws(generator: torch.Generator, vocab_size: int, count: int) -> None:
+    """Advances a request's generator past `count` sampled tokens (one draw of `vocab_size`
+    values each, as the sampler does), so a resumed request continues its random stream."""
+    for _ in range(count):
+        torch.empty(vocab_size).exponential_(generator=generator)
 
 
 class LLMEngine:
@@ -42,7 +62,8 @@ class LLMEngine:
         self.scheduler = Scheduler(
             SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens), self.blocks
         )
-        self.sequences: dict[str, Sequence] = {}
+        self.sequences: dict[str, Sequence] = {}  # queued or running here
+        self.reserved: dict[str, Sequence] = {}  # blocks held, KV arriving from elsewhere
         self.generators: dict[str, torch.Generator] = {}
         self.default_generator = torch.Generator().manual_seed(config.seed)
         log.info("engine ready: %d KV blocks of %d tokens", self.num_blocks, config.block_size)
@@ -56,15 +77,82 @@ class LLMEngine:
         # One sequence must always fit in the pool, or preemption could not make room for it.
         return min(limit, self.num_blocks * self.config.block_size)
 
-    def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> None:
-        if request_id in self.sequences:
+    def add_request(
+        self,
+        request_id: str,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        output_ids: Sequence_[int] = (),
+    ) -> None:
+        """Queues a request for prefill here. `output_ids` resumes a request that already
+        generated those tokens elsewhere: they count as output (penalties, max_tokens, seeds)."""
+        self.scheduler.add(self._new_sequence(request_id, prompt_ids, params, output_ids))
+
+    def _new_sequence(
+        self,
+        request_id: str,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        output_ids: Sequence_[int],
+    ) -> Sequence:
+        if request_id in self.sequences or request_id in self.reserved:
             raise RequestError(f"request id {request_id!r} is already in use")
-        self.check_request(prompt_ids)
-        seq = Sequence(request_id, list(prompt_ids), len(prompt_ids), params)
+        self.check_request([*prompt_ids, *output_ids])
+        seq = Sequence(request_id, [*prompt_ids, *output_ids], len(prompt_ids), params)
         self.sequences[request_id] = seq
         if params.seed is not None:
-            self.generators[request_id] = torch.Generator().manual_seed(params.seed)
-        self.scheduler.add(seq)
+            generator = torch.Generator().manual_seed(params.seed)
+            if not params.greedy:
+                skip_draws(generator, self.model_config.vocab_size, len(output_ids))
+            self.generators[request_id] = generator
+        return seq
+
+    def reserve(
+        self,
+        request_id: str,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        output_ids: Sequence_[int] = (),
+    ) -> Reservation | None:
+        """Holds blocks for a request whose KV another worker computes; None when they do not
+        fit now. Prefix-cache hits are taken here and need not be sent."""
+        seq = self._new_sequence(request_id, prompt_ids, params, output_ids)
+        del self.sequences[request_id]
+        hits = self.blocks.match_prefix(seq.token_ids)
+        num_new = num_blocks_for(seq.num_tokens, self.config.block_size) - len(hits)
+        num_evictable = sum(1 for b in hits if self.blocks.ref_counts[b] == 0)
+        if num_new + num_evictable > self.blocks.num_free_blocks:
+            self.generators.pop(request_id, None)
+            return None
+        num_cached = min(len(hits) * self.config.block_size, seq.num_tokens)
+        self.blocks.count_query(seq.num_tokens, num_cached)
+        self.blocks.take_cached(hits)
+        seq.block_table = hits + self.blocks.allocate(num_new)
+        seq.num_hashed_blocks = len(hits)
+        seq.num_cached_prompt_tokens = num_cached
+        seq.first_scheduled_time = time.monotonic()
+        self.reserved[request_id] = seq
+        return Reservation(tuple(seq.block_table), num_cached)
+
+    def admit(
+        self, request_id: str, token_id: int, logprobs: TokenLogprobs | None = None
+    ) -> SeqUpdate:
+        """A reserved request's KV has arrived with its next token: it joins the running batch
+        (or finishes at once if that token stops it)."""
+        seq = self.reserved.pop(request_id)
+        self.sequences[request_id] = seq
+        self.scheduler.add_running(seq)
+        return self._update([seq], [token_id], [logprobs])[0]
+
+    def release(self, request_id: str) -> bool:
+        """Drops a reservation (transfer failed or expired); False if there is none."""
+        seq = self.reserved.pop(request_id, None)
+        self.generators.pop(request_id, None)
+        if seq is None:
+            return False
+        self.blocks.free_blocks(seq.block_table)
+        seq.block_table = []
+        return True
 
     def check_request(self, prompt_ids: list[int]) -> None:
         """Raises RequestError for a prompt this engine cannot serve. Reads only fixed facts, so
@@ -82,6 +170,8 @@ class LLMEngine:
 
     def abort(self, request_id: str) -> bool:
         """Stops a request and frees its blocks; False if it is unknown or already finished."""
+        if self.release(request_id):
+            return True
         seq = self.sequences.pop(request_id, None)
         self.generators.pop(request_id, None)
         if seq is None:
@@ -91,14 +181,17 @@ class LLMEngine:
 
     @property
     def has_unfinished(self) -> bool:
+        """Work for `step()`: queued or running requests (reservations wait for their KV)."""
         return self.scheduler.num_unfinished > 0
 
-    def step(self) -> list[SeqUpdate]:
+    def step(self, on_layer: PlanLayerHook | None = None) -> list[SeqUpdate]:
+        """One model step. `on_layer(plan, i)` runs once layer i's KV of the plan is written."""
         plan = self.scheduler.schedule()
         if not plan.chunks:
             return []
         sampling = [chunk.seq for chunk in plan.chunks if chunk.samples]
-        output = self.runner.execute(plan, [self._sample_row(seq) for seq in sampling])
+        hook = functools.partial(on_layer, plan) if on_layer is not None else None
+        output = self.runner.execute(plan, [self._sample_row(seq) for seq in sampling], hook)
         self.scheduler.commit(plan)
         return self._update(sampling, output.token_ids, output.logprobs)
 
@@ -134,6 +227,8 @@ class LLMEngine:
                     stop_token_id=stop[1] if stop else None,
                     num_prompt_tokens=seq.num_prompt_tokens,
                     num_cached_tokens=seq.num_cached_prompt_tokens,
+                    queue_seconds=seq.queue_seconds,
+                    num_output_tokens=seq.num_output_tokens,
                 )
             )
         return updates

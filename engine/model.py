@@ -6,6 +6,8 @@ The projections are fused at load time (q|k|v and gate|up) so each layer runs fo
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
@@ -15,6 +17,7 @@ from engine.rope import RotaryEmbedding
 from kernels import ops
 
 KVCaches = list[tuple[torch.Tensor, torch.Tensor]]  # per layer: key_cache, value_cache
+LayerHook = Callable[[int], None]
 
 
 class RMSNorm(nn.Module):
@@ -132,12 +135,17 @@ class CausalLM(nn.Module):
             )
         self.requires_grad_(False)
 
-    def forward(self, batch: ForwardBatch, kv_caches: KVCaches) -> torch.Tensor:
-        """Runs every row; returns logits [S, vocab] (model dtype) for the logits_indices rows."""
+    def forward(
+        self, batch: ForwardBatch, kv_caches: KVCaches, on_layer: LayerHook | None = None
+    ) -> torch.Tensor:
+        """Runs every row; returns logits [S, vocab] (model dtype) for the logits_indices rows.
+        `on_layer(i)` runs as soon as layer i has written its KV and produced its output."""
         x = self.embed_tokens(batch.input_ids)
         rope = self.rope.lookup(batch.positions)
-        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+        for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
             x = layer(x, batch, kv_cache, rope)
+            if on_layer is not None:
+                on_layer(i)
         x = self.norm(x[batch.logits_indices])
         return self.lm_head(x)
 

@@ -82,4 +82,5 @@ class RequestState:
             finish_reason=self.finish_reason,
             stop_reason=self.stop_reason,
             num_cached_tokens=update.num_cached_tokens,
+            queue_seconds=update.queue_seconds,
         )

@@ -19,6 +19,8 @@ class SeqUpdate:
     stop_token_id: int | None  # the token that stopped it, when one did
     num_prompt_tokens: int
     num_cached_tokens: int
+    queue_seconds: float | None = None  # arrival until the request first got KV blocks
+    num_output_tokens: int = 0  # the request's output length after this update
 
 
 @dataclass
@@ -35,6 +37,7 @@ class RequestOutput:
     finish_reason: str | None = None
     stop_reason: int | str | None = None  # stop token id or stop string that ended it
     num_cached_tokens: int = 0
+    queue_seconds: float | None = None  # arrival until the request first got KV blocks
 
     @property
     def finished(self) -> bool:

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import torch
 
+from engine.block_manager import slots_of
 from engine.config import EngineConfig, ModelConfig
 from engine.forward_batch import ForwardBatch, PrefillSegment
 from engine.kv_cache import allocate_kv_cache
-from engine.model import CausalLM
+from engine.model import CausalLM, LayerHook
 from engine.packed_linear import can_pack, pack_linears
 from engine.sampler import SamplerOutput, SampleRow, sample
 from engine.scheduler import ScheduledChunk, StepPlan
@@ -38,11 +39,14 @@ class ModelRunner:
         )
 
     @torch.inference_mode()
-    def execute(self, plan: StepPlan, sample_rows: list[SampleRow]) -> SamplerOutput:
-        """Runs every chunk; samples for the chunks with `samples` set, in plan order."""
+    def execute(
+        self, plan: StepPlan, sample_rows: list[SampleRow], on_layer: LayerHook | None = None
+    ) -> SamplerOutput:
+        """Runs every chunk; samples for the chunks with `samples` set, in plan order.
+        `on_layer(i)` runs once layer i's KV for the whole plan is in `kv_caches`."""
         chunks = order_for_batch(plan.chunks)
         batch = self.build_batch(chunks)
-        logits = self.model(batch, self.kv_caches)  # rows in `chunks` order
+        logits = self.model(batch, self.kv_caches, on_layer)  # rows in `chunks` order
         sampling = [chunk for chunk in chunks if chunk.samples]
         position = {id(chunk.seq): i for i, chunk in enumerate(sampling)}
         in_plan_order = [position[id(chunk.seq)] for chunk in plan.chunks if chunk.samples]
@@ -62,7 +66,7 @@ class ModelRunner:
             table = seq.block_table
             input_ids.extend(seq.token_ids[chunk.start : chunk.end])
             positions.extend(span)
-            slots.extend(table[p // bs] * bs + p % bs for p in span)
+            slots.extend(slots_of(table, chunk.start, chunk.end, bs))
             if chunk.samples:
                 logits_rows.append(row + chunk.num_tokens - 1)
             if chunk.num_tokens == 1:

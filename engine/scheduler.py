@@ -11,6 +11,7 @@ Works on Sequences, counts and block ids only; it never sees a tensor. Each step
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -62,6 +63,14 @@ class Scheduler:
     def add(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.WAITING
         self.waiting.append(seq)
+
+    def add_running(self, seq: Sequence) -> None:
+        """Admits a sequence whose every token already has KV in its blocks (received from a
+        prefill worker); registers its full blocks in the prefix cache."""
+        seq.status = SequenceStatus.RUNNING
+        seq.num_computed_tokens = seq.num_tokens
+        self._cache_computed(seq)
+        self.running.append(seq)
 
     @property
     def num_unfinished(self) -> int:
@@ -116,6 +125,8 @@ class Scheduler:
             seq.num_hashed_blocks = len(hits)
             if seq.num_preemptions == 0:
                 seq.num_cached_prompt_tokens = num_cached
+            if seq.first_scheduled_time is None:
+                seq.first_scheduled_time = time.monotonic()
             seq.status = SequenceStatus.RUNNING
             self.waiting.popleft()
             self.running.append(seq)
@@ -148,14 +159,16 @@ class Scheduler:
     def commit(self, plan: StepPlan) -> None:
         """Records that the plan's KV is now written: advances counts, caches full blocks."""
         for chunk in plan.chunks:
-            seq = chunk.seq
-            seq.num_computed_tokens = chunk.end
-            num_full = chunk.end // self.blocks.block_size
-            if num_full > seq.num_hashed_blocks:
-                self.blocks.cache_full_blocks(
-                    seq.block_table, seq.token_ids, seq.num_hashed_blocks, num_full
-                )
-                seq.num_hashed_blocks = num_full
+            chunk.seq.num_computed_tokens = chunk.end
+            self._cache_computed(chunk.seq)
+
+    def _cache_computed(self, seq: Sequence) -> None:
+        num_full = seq.num_computed_tokens // self.blocks.block_size
+        if num_full > seq.num_hashed_blocks:
+            self.blocks.cache_full_blocks(
+                seq.block_table, seq.token_ids, seq.num_hashed_blocks, num_full
+            )
+            seq.num_hashed_blocks = num_full
 
     def finish(self, seq: Sequence, reason: FinishReason) -> None:
         """Ends a sequence wherever it is (waiting or running) and frees its blocks."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import time
 from dataclasses import dataclass, field
 
 from engine.sampling_params import SamplingParams
@@ -38,6 +39,14 @@ class Sequence:
     num_hashed_blocks: int = 0
     finish_reason: FinishReason | None = None
     num_preemptions: int = 0
+    arrival_time: float = field(default_factory=time.monotonic)
+    first_scheduled_time: float | None = None  # when its KV first got blocks
+
+    @property
+    def queue_seconds(self) -> float | None:
+        if self.first_scheduled_time is None:
+            return None
+        return self.first_scheduled_time - self.arrival_time
 
     @property
     def num_tokens(self) -> int:

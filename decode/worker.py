@@ -1,0 +1,198 @@
+"""DecodeWorker: reserves blocks, receives KV into them, and decodes with continuous batching.
+
+    reserve(request, prefill_id) -> Ticket     blocks for every token, minus its prefix-cache hits
+    KVReceiver thread                          layers land in the reserved blocks
+    Arrived (all layers + first token)         the request joins the running batch
+    each engine step                           new tokens of every request -> one batch of updates
+    add_local(request)                         short prompts: prefilled here, chunked into steps
+
+A reservation is a lease: if its KV has not arrived within the ticket's timeout, its blocks are
+freed and the coordinator hears of it. A plain class (no Ray); `decode.actor` wraps it.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from concurrent.futures import Future
+
+from coordinator.stats import TRANSFER_BUCKETS, WorkerStats
+from engine.block_manager import slots_of
+from engine.config import EngineConfig
+from engine.engine import LLMEngine
+from engine.engine_thread import EngineThread
+from engine.requests import TokenUpdate, WorkRequest
+from engine.sampler import TokenLogprobs
+from kvtransfer.receiver import Arrived, KVReceiver, ReceiveEvent, TransferFailed
+from kvtransfer.ticket import Ticket
+from kvtransfer.transport import Rendezvous, Transport
+from prefill.worker import kv_layout
+
+
+class DecodeWorker:
+    def __init__(
+        self,
+        worker_id: str,
+        config: EngineConfig,
+        transport: Transport,
+        transfer_timeout: float,
+        host: str = "127.0.0.1",
+    ) -> None:
+        self.worker_id = worker_id
+        self.engine = LLMEngine(config)
+        self.transfer_timeout = transfer_timeout
+        self.layout = kv_layout(self.engine)
+        self.rendezvous = Rendezvous(host)
+        self.receiver = KVReceiver(
+            transport,
+            self.rendezvous,
+            self.engine.runner.kv_caches,
+            self.layout,
+            worker_id,
+            self._on_receive,
+            transfer_timeout,
+        )
+        self._leases: dict[str, float] = {}  # reserved request -> monotonic deadline
+        self._updates: list[TokenUpdate] = []
+        self._updates_ready = threading.Condition()
+        self.transfer_failures = 0
+        self.transfer_seconds: list[float] = []
+        self.prefilled_locally = 0
+        self.thread = EngineThread(
+            f"decode-{worker_id}",
+            self._step,
+            lambda: self.engine.has_unfinished,
+            self._crashed,
+            housekeeping=self._expire_leases,
+        )
+
+    # -- any thread ------------------------------------------------------------------------
+
+    def reserve(self, request: WorkRequest, prefill_id: str) -> Future:
+        """Future of a Ticket, or of None when the blocks do not fit now."""
+        return self.thread.submit(self._reserve, request, prefill_id)
+
+    def add_local(self, request: WorkRequest) -> Future:
+        return self.thread.submit(self._add_local, request)
+
+    def abort(self, request_id: str) -> Future:
+        return self.thread.submit(self._abort, request_id)
+
+    def take_updates(self, timeout: float) -> list[TokenUpdate]:
+        """Every update since the last call; waits up to `timeout` seconds for one."""
+        with self._updates_ready:
+            if not self._updates:
+                self._updates_ready.wait(timeout)
+            updates, self._updates = self._updates, []
+        if self.thread.error is not None and not updates:
+            raise RuntimeError(f"decode worker crashed: {self.thread.error}")
+        return updates
+
+    def stats(self) -> Future:
+        return self.thread.submit(self._stats)
+
+    def shutdown(self) -> None:
+        self.thread.stop()
+
+    # -- engine thread ---------------------------------------------------------------------
+
+    def _reserve(self, request: WorkRequest, prefill_id: str) -> Ticket | None:
+        reservation = self.engine.reserve(
+            request.request_id, request.prompt_ids, request.params, request.output_ids
+        )
+        if reservation is None:
+            return None
+        num_tokens = len(request.prompt_ids) + len(request.output_ids)
+        key = self.receiver.channel_key(prefill_id)
+        bs = self.engine.config.block_size
+        slots = slots_of(reservation.block_table, reservation.num_cached_tokens, num_tokens, bs)
+        self.receiver.expect(request.request_id, key, slots, reservation.num_cached_tokens)
+        self._leases[request.request_id] = time.monotonic() + self.transfer_timeout
+        return Ticket(
+            request_id=request.request_id,
+            decode_id=self.worker_id,
+            rendezvous=self.rendezvous.endpoint,
+            channel_key=key,
+            num_cached_tokens=reservation.num_cached_tokens,
+            num_tokens=num_tokens,
+            layout=self.layout,
+            timeout=self.transfer_timeout,
+        )
+
+    def _add_local(self, request: WorkRequest) -> None:
+        self.engine.add_request(
+            request.request_id, request.prompt_ids, request.params, request.output_ids
+        )
+        self.prefilled_locally += 1
+
+    def _abort(self, request_id: str) -> bool:
+        self.receiver.forget(request_id)
+        self._leases.pop(request_id, None)
+        return self.engine.abort(request_id)
+
+    def _on_receive(self, event: ReceiveEvent) -> None:  # receiver thread
+        self.thread.submit(self._apply_receive, event)
+
+    def _apply_receive(self, event: ReceiveEvent) -> None:
+        if self._leases.pop(event.request_id, None) is None:
+            return  # aborted or expired meanwhile; its blocks are already free
+        if isinstance(event, TransferFailed):
+            self._fail(event.request_id, event.reason)
+            return
+        self.transfer_seconds.append(event.seconds)
+        logprobs = _logprobs(event)
+        update = self.engine.admit(event.request_id, event.token_id, logprobs)
+        self._publish([TokenUpdate.of(update)])
+
+    def _step(self) -> None:
+        self._publish([TokenUpdate.of(u) for u in self.engine.step()])
+
+    def _expire_leases(self) -> None:
+        now = time.monotonic()
+        for request_id in [r for r, deadline in self._leases.items() if deadline < now]:
+            del self._leases[request_id]
+            self.receiver.forget(request_id)
+            self._fail(request_id, f"KV did not arrive within {self.transfer_timeout:.1f}s")
+
+    def _fail(self, request_id: str, reason: str) -> None:
+        self.engine.release(request_id)
+        self.transfer_failures += 1
+        self._publish([TokenUpdate(request_id, 0, [], [], error=reason)])
+
+    def _publish(self, updates: list[TokenUpdate]) -> None:
+        if not updates:
+            return
+        with self._updates_ready:
+            self._updates.extend(updates)
+            self._updates_ready.notify_all()
+
+    def _crashed(self, err: BaseException) -> None:
+        with self._updates_ready:
+            self._updates_ready.notify_all()
+
+    def _stats(self) -> WorkerStats:
+        engine, blocks = self.engine, self.engine.blocks
+        seconds = self.transfer_seconds
+        return WorkerStats(
+            worker=self.worker_id,
+            pool="decode",
+            num_running=len(engine.scheduler.running) + len(self._leases),
+            num_waiting=len(engine.scheduler.waiting),
+            queued_prefill_tokens=sum(s.num_uncomputed_tokens for s in engine.scheduler.waiting),
+            num_free_blocks=blocks.num_free_blocks,
+            num_total_blocks=blocks.num_blocks,
+            prefix_cache_queries=blocks.prefix_queries,
+            prefix_cache_hits=blocks.prefix_hits,
+            kv_transfer_bytes=self.receiver.bytes_received,
+            kv_transfer_failures=self.transfer_failures,
+            kv_transfer_count=len(seconds),
+            kv_transfer_seconds_sum=sum(seconds),
+            kv_transfer_buckets=tuple(sum(s <= b for s in seconds) for b in TRANSFER_BUCKETS),
+            requests_prefilled_locally=self.prefilled_locally,
+        )
+
+
+def _logprobs(event: Arrived) -> TokenLogprobs | None:
+    if event.logprob is None:
+        return None
+    return TokenLogprobs(event.logprob, [tuple(pair) for pair in event.top_logprobs or []])

@@ -1,0 +1,84 @@
+"""EngineThread: one thread that owns an engine, steps it while there is work, and runs calls
+submitted from other threads between steps (the engine itself is not thread-safe)."""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from collections.abc import Callable
+from concurrent.futures import Future
+from typing import Any
+
+log = logging.getLogger(__name__)
+IDLE_WAIT_SECONDS = 0.05
+
+
+class EngineThread:
+    def __init__(
+        self,
+        name: str,
+        step: Callable[[], None],
+        has_work: Callable[[], bool],
+        on_crash: Callable[[BaseException], None],
+        housekeeping: Callable[[], None] | None = None,
+    ) -> None:
+        """`housekeeping()` runs every loop turn, at least every IDLE_WAIT_SECONDS."""
+        self._housekeeping = housekeeping
+        self._step = step
+        self._has_work = has_work
+        self._on_crash = on_crash
+        self._calls: queue.SimpleQueue[tuple[Future, Callable, tuple]] = queue.SimpleQueue()
+        self._stop = threading.Event()
+        self.error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def submit(self, fn: Callable[..., Any], *args: Any) -> Future:
+        """Runs fn(*args) on the engine thread between steps; the future holds its result."""
+        future: Future = Future()
+        if self.error is not None:
+            future.set_exception(RuntimeError(f"engine thread crashed: {self.error}"))
+        else:
+            self._calls.put((future, fn, args))
+        return future
+
+    def stop(self, timeout: float = 10.0) -> None:
+        self._stop.set()
+        self._thread.join(timeout)
+
+    def _run(self) -> None:
+        try:
+            while not self._stop.is_set():
+                self._run_calls(block=not self._has_work())
+                if self._housekeeping is not None:
+                    self._housekeeping()
+                if self._has_work():
+                    self._step()
+        except BaseException as err:  # every caller must learn about it; nothing hangs
+            log.exception("engine thread crashed")
+            self.error = err
+            self._on_crash(err)
+            self._fail_pending(err)
+
+    def _run_calls(self, block: bool) -> None:
+        try:
+            item = self._calls.get(timeout=IDLE_WAIT_SECONDS) if block else self._calls.get_nowait()
+            while True:
+                future, fn, args = item
+                if future.set_running_or_notify_cancel():
+                    try:
+                        future.set_result(fn(*args))
+                    except Exception as err:  # the caller's error, not the engine's
+                        future.set_exception(err)
+                item = self._calls.get_nowait()
+        except queue.Empty:
+            return
+
+    def _fail_pending(self, err: BaseException) -> None:
+        while True:
+            try:
+                future, _, _ = self._calls.get_nowait()
+            except queue.Empty:
+                return
+            future.set_exception(RuntimeError(f"engine thread crashed: {err}"))

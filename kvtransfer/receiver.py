@@ -1,0 +1,179 @@
+"""KVReceiver: the decode side of KV transfer. One thread per prefill peer receives its frames
+and scatters each layer into the blocks reserved for the request.
+
+    prefill P --channel(key)--> receiver thread for key
+        LayerFrame(r, l, start, n) + payload -> unpack into layer l at r's slots [start, start+n)
+        DoneFrame(r, token)                  -> Arrived(r, token, ...)   (all layers are in)
+        AbortFrame(r) / channel error        -> TransferFailed(r, reason)
+
+Events go to `on_event`, called on the receiver thread; the decode worker hands them to its
+engine thread. Reservations (`expect`) and `forget` may be called from any thread.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+
+from kernels import ops
+from kvtransfer.ticket import KVLayout
+from kvtransfer.transport import Channel, Rendezvous, TransferError, Transport
+from kvtransfer.wire import AbortFrame, DoneFrame, LayerFrame, recv_frame
+
+log = logging.getLogger(__name__)
+
+
+class Arrived(NamedTuple):
+    request_id: str
+    token_id: int
+    logprob: float | None
+    top_logprobs: list[tuple[int, float]] | None
+    bytes_received: int
+    seconds: float  # first frame to done frame
+
+
+class TransferFailed(NamedTuple):
+    request_id: str
+    reason: str
+
+
+ReceiveEvent = Arrived | TransferFailed
+
+
+@dataclass
+class _Expected:
+    key: str
+    slots: torch.Tensor  # [num_tokens - num_cached] cache slots, in token order
+    num_cached: int
+    bytes_expected: int
+    bytes_received: int = 0
+    first_frame: float | None = None
+
+
+class KVReceiver:
+    def __init__(
+        self,
+        transport: Transport,
+        rendezvous: Rendezvous,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        layout: KVLayout,
+        decode_id: str,
+        on_event: Callable[[ReceiveEvent], None],
+        timeout: float,
+    ) -> None:
+        self.transport = transport
+        self.rendezvous = rendezvous
+        self.kv_caches = kv_caches
+        self.layout = layout
+        self.decode_id = decode_id
+        self.on_event = on_event
+        self.timeout = timeout  # channel opening and each payload receive
+        self._lock = threading.Lock()
+        self._expected: dict[str, _Expected] = {}
+        self._keys: dict[str, str] = {}  # prefill worker id -> its live channel key
+        self._generation = itertools.count()
+        self.bytes_received = 0
+
+    def channel_key(self, prefill_id: str) -> str:
+        """The live channel key for a prefill peer, starting a receiver thread if none runs."""
+        with self._lock:
+            key = self._keys.get(prefill_id)
+            if key is None:
+                key = f"{prefill_id}->{self.decode_id}#{next(self._generation)}"
+                self._keys[prefill_id] = key
+                threading.Thread(
+                    target=self._serve, args=(prefill_id, key), name=f"kv-recv-{key}", daemon=True
+                ).start()
+            return key
+
+    def expect(self, request_id: str, key: str, slots: list[int], num_cached: int) -> None:
+        expected = _Expected(
+            key=key,
+            slots=torch.tensor(slots, dtype=torch.int64, device=self.kv_caches[0][0].device),
+            num_cached=num_cached,
+            bytes_expected=self.layout.num_layers
+            * len(slots)
+            * self.layout.bytes_per_token_layer(),
+        )
+        with self._lock:
+            self._expected[request_id] = expected
+
+    def forget(self, request_id: str) -> None:
+        """Stops expecting a request; frames that still come for it are read and dropped."""
+        with self._lock:
+            self._expected.pop(request_id, None)
+
+    def _serve(self, prefill_id: str, key: str) -> None:
+        try:
+            channel = self.transport.accept(self.rendezvous.store, key, self.timeout)
+            while True:
+                self._receive_one(channel)
+        except TransferError as err:
+            log.warning("KV channel %s closed: %s", key, err)
+        except Exception:  # never let a receiver die silently: its requests must fail
+            log.exception("KV receiver for %s failed", key)
+        self._close_key(prefill_id, key)
+
+    def _receive_one(self, channel: Channel) -> None:
+        frame = recv_frame(channel, timeout=None)
+        if isinstance(frame, LayerFrame):
+            self._receive_layer(channel, frame)
+            return
+        with self._lock:
+            expected = self._expected.pop(frame.request_id, None)
+        if expected is not None:
+            self._finish(frame, expected)
+
+    def _receive_layer(self, channel: Channel, frame: LayerFrame) -> None:
+        kv = self.kv_caches[frame.layer][0]
+        payload = kv.new_empty((2, frame.num_tokens, *kv.shape[2:]))  # [2, n, kv_heads, head_dim]
+        channel.recv(payload, self.timeout)
+        # Under the lock: once forget() returns, no write lands in blocks that may be reused.
+        with self._lock:
+            expected = self._expected.get(frame.request_id)
+            if expected is None:  # expired or aborted meanwhile: drop the bytes
+                return
+            offset = frame.start - expected.num_cached
+            slots = expected.slots[offset : offset + frame.num_tokens]
+            key_cache, value_cache = self.kv_caches[frame.layer]
+            ops.unpack_kv(payload, key_cache, value_cache, slots)
+        expected.first_frame = expected.first_frame or time.monotonic()
+        nbytes = payload.numel() * payload.element_size()
+        expected.bytes_received += nbytes
+        self.bytes_received += nbytes
+
+    def _finish(self, frame: DoneFrame | AbortFrame, expected: _Expected) -> None:
+        if isinstance(frame, AbortFrame):
+            self.on_event(TransferFailed(frame.request_id, f"prefill aborted: {frame.reason}"))
+        elif expected.bytes_received != expected.bytes_expected:
+            reason = f"received {expected.bytes_received} of {expected.bytes_expected} KV bytes"
+            self.on_event(TransferFailed(frame.request_id, reason))
+        else:
+            seconds = time.monotonic() - (expected.first_frame or time.monotonic())
+            self.on_event(
+                Arrived(
+                    frame.request_id,
+                    frame.token_id,
+                    frame.logprob,
+                    frame.top_logprobs,
+                    expected.bytes_received,
+                    seconds,
+                )
+            )
+
+    def _close_key(self, prefill_id: str, key: str) -> None:
+        with self._lock:
+            if self._keys.get(prefill_id) == key:
+                del self._keys[prefill_id]
+            failed = [r for r, e in self._expected.items() if e.key == key]
+            for request_id in failed:
+                del self._expected[request_id]
+        for request_id in failed:
+            self.on_event(TransferFailed(request_id, f"KV channel {key} broke"))

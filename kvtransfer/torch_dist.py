@@ -1,0 +1,101 @@
+"""torch.distributed point-to-point channels: gloo for CPU tensors, nccl for CUDA tensors.
+
+Each (prefill, decode) pair gets its own two-rank process group on a prefix of the decode
+worker's store, so there is no global world: pairs open and close as pools change.
+"""
+
+from __future__ import annotations
+
+import datetime
+
+import torch
+from torch.distributed import PrefixStore, Store, TCPStore
+
+from kvtransfer.transport import Endpoint, TransferError, register
+
+SENDER, RECEIVER = 0, 1
+# How long an idle receiver may wait for its next message; a dead peer ends the wait sooner.
+IDLE_WAIT = datetime.timedelta(days=7)
+
+
+def _seconds(timeout: float) -> datetime.timedelta:
+    return datetime.timedelta(seconds=max(timeout, 0.001))
+
+
+class ProcessGroupChannel:
+    """`device` is where the backend wants tensors (CPU for gloo, the GPU for nccl); tensors
+    elsewhere (small message frames) are staged through it."""
+
+    def __init__(self, group, rank: int, device: torch.device) -> None:
+        self.group = group
+        self.peer = RECEIVER if rank == SENDER else SENDER
+        self.device = device
+
+    def send(self, tensor: torch.Tensor, timeout: float) -> None:
+        self._wait(self.group.send([tensor.to(self.device)], self.peer, 0), timeout)
+
+    def recv(self, tensor: torch.Tensor, timeout: float | None) -> None:
+        if tensor.device == self.device:
+            self._wait(self.group.recv([tensor], self.peer, 0), timeout)
+            return
+        staged = torch.empty_like(tensor, device=self.device)
+        self._wait(self.group.recv([staged], self.peer, 0), timeout)
+        tensor.copy_(staged)
+
+    def _wait(self, work, timeout: float | None) -> None:
+        try:
+            work.wait(IDLE_WAIT if timeout is None else _seconds(timeout))
+        except RuntimeError as err:
+            raise TransferError(str(err).splitlines()[0]) from err
+
+    def close(self) -> None:
+        self.group = None
+
+
+class TorchDistTransport:
+    def __init__(self, backend: str, device: torch.device) -> None:
+        self.name = backend
+        self.device = device
+
+    def connect(self, rendezvous: Endpoint, key: str, timeout: float) -> ProcessGroupChannel:
+        try:
+            store = TCPStore(
+                rendezvous.host, rendezvous.port, is_master=False, timeout=_seconds(timeout)
+            )
+        except RuntimeError as err:
+            raise TransferError(f"cannot reach the rendezvous at {rendezvous}: {err}") from err
+        return self._open(store, key, SENDER, timeout)
+
+    def accept(self, rendezvous: TCPStore, key: str, timeout: float) -> ProcessGroupChannel:
+        return self._open(rendezvous, key, RECEIVER, timeout)
+
+    def _open(self, store: Store, key: str, rank: int, timeout: float) -> ProcessGroupChannel:
+        prefixed = PrefixStore(key, store)
+        try:
+            if self.name == "nccl":
+                group = _nccl_group(prefixed, rank, timeout)
+            else:
+                # The group's own timeout bounds only the connection; each wait passes its own.
+                group = torch.distributed.ProcessGroupGloo(prefixed, rank, 2, _seconds(timeout))
+        except RuntimeError as err:
+            raise TransferError(f"channel {key!r} did not open: {err}") from err
+        device = self.device if self.name == "nccl" else torch.device("cpu")
+        return ProcessGroupChannel(group, rank, device)
+
+
+def _nccl_group(store: Store, rank: int, timeout: float):
+    options = torch.distributed.ProcessGroupNCCL.Options()
+    options._timeout = _seconds(timeout)
+    return torch.distributed.ProcessGroupNCCL(store, rank, 2, options)
+
+
+@register("gloo")
+def _gloo(device: torch.device) -> TorchDistTransport:
+    return TorchDistTransport("gloo", device)
+
+
+@register("nccl")
+def _nccl(device: torch.device) -> TorchDistTransport:
+    if device.type != "cuda":
+        raise ValueError("the nccl transport moves CUDA tensors; use gloo on CPU")
+    return TorchDistTransport("nccl", device)

@@ -1,0 +1,86 @@
+"""The Transport seam: how KV bytes get from a prefill worker to a decode worker.
+
+A decode worker hosts a rendezvous store (`Rendezvous`); a ticket carries its address. For each
+(prefill, decode) pair the prefill side `connect`s and the decode side `accept`s under the same
+channel key, lazily, the first time the pair has something to move. The result is a `Channel`:
+one direction (prefill -> decode), one peer, an ordered and reliable stream of tensors.
+
+Contract every backend keeps:
+  - `send` / `recv` complete in order; a receive fills exactly the tensor it was given;
+  - every call takes a timeout, and a timeout or a dead peer raises TransferError;
+  - after any error the channel is broken for good: callers close it and open a new one under a
+    new key (a half-finished message cannot be resynchronised).
+"""
+
+from __future__ import annotations
+
+import datetime
+from collections.abc import Callable
+from typing import NamedTuple, Protocol
+
+import torch
+from torch.distributed import TCPStore
+
+
+class TransferError(RuntimeError):
+    """A send or receive failed, timed out, or its peer went away."""
+
+
+class Endpoint(NamedTuple):
+    host: str
+    port: int
+
+
+class Channel(Protocol):
+    def send(self, tensor: torch.Tensor, timeout: float) -> None: ...
+
+    def recv(self, tensor: torch.Tensor, timeout: float | None) -> None:
+        """Fills `tensor`; `timeout=None` waits until data comes or the peer goes away."""
+
+    def close(self) -> None: ...
+
+
+class Transport(Protocol):
+    name: str
+
+    def connect(self, rendezvous: Endpoint, key: str, timeout: float) -> Channel:
+        """Sending side of the channel `key`; blocks until the peer has accepted it."""
+
+    def accept(self, rendezvous: TCPStore, key: str, timeout: float) -> Channel:
+        """Receiving side of the channel `key`, on the store this worker hosts."""
+
+
+class Rendezvous:
+    """The store a decode worker hosts so prefill workers can find it."""
+
+    def __init__(self, host: str) -> None:
+        self.store = TCPStore(
+            host, 0, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=30)
+        )
+        self.endpoint = Endpoint(host, self.store.port)
+
+
+TRANSPORTS: dict[str, Callable[[torch.device], Transport]] = {}
+
+
+def register(name: str) -> Callable:
+    def add(factory: Callable[[torch.device], Transport]) -> Callable[[torch.device], Transport]:
+        TRANSPORTS[name] = factory
+        return factory
+
+    return add
+
+
+def make_transport(name: str, device: torch.device) -> Transport:
+    """`auto` picks nccl for CUDA and gloo otherwise."""
+    import kvtransfer.torch_dist  # noqa: F401  (registers gloo and nccl)
+
+    if name == "auto":
+        name = "nccl" if device.type == "cuda" else "gloo"
+    if name == "ucx":
+        import kvtransfer.ucx  # noqa: F401
+    if name not in TRANSPORTS:
+        raise ValueError(
+            f"unknown KV transport {name!r}; choose from auto, {', '.join(TRANSPORTS)}"
+        )
+    return TRANSPORTS[name](device)

@@ -1,0 +1,201 @@
+"""PrefillWorker: computes prompts and streams their KV, layer by layer, to decode workers.
+
+    submit(request, ticket) -> engine thread: chunked prefill under a token budget
+        after layer l of a step: pack each request's new K/V of layer l -> KVSender (own thread)
+        after the last chunk: sample the next token -> done frame -> PrefillResult to the caller
+    The request's blocks are freed as soon as its step ends (the packed buffers own the bytes);
+    its full blocks stay in this worker's prefix cache.
+
+A plain class (no Ray); `prefill.actor` wraps it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable
+from typing import NamedTuple
+
+import torch
+
+from engine.block_manager import slots_of
+from engine.config import EngineConfig
+from engine.engine import LLMEngine
+from engine.engine_thread import EngineThread
+from engine.requests import WorkRequest
+from engine.sampler import TokenLogprobs
+from engine.scheduler import StepPlan
+from kernels import ops
+from kvtransfer.sender import KVSender, SendRecord
+from kvtransfer.ticket import KVLayout, Ticket
+from kvtransfer.transport import TransferError, Transport
+
+
+class PrefillResult(NamedTuple):
+    request_id: str
+    token_id: int  # the token sampled after the prompt (output index len(output_ids))
+    logprobs: TokenLogprobs | None
+    num_cached_tokens: int  # prompt tokens this worker found in its own prefix cache
+    bytes_sent: int
+    transfer_seconds: float  # first layer sent to done frame sent
+    layers_computed: list[tuple[int, float]]  # (layer, monotonic time its KV was packed)
+    layers_sent: list[tuple[int, float, float]]  # (layer, send start, send end)
+
+
+ResultCallback = Callable[[str, PrefillResult | Exception], None]
+
+
+def kv_layout(engine: LLMEngine) -> KVLayout:
+    cfg = engine.model_config
+    return KVLayout(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, engine.config.dtype)
+
+
+class _Pending:
+    def __init__(self, request: WorkRequest, ticket: Ticket) -> None:
+        self.request = request
+        self.ticket = ticket
+        self.layers_computed: list[tuple[int, float]] = []
+        self.sent_upto = ticket.num_cached_tokens  # tokens before this are sent or not needed
+        self.sampled: tuple[int, TokenLogprobs | None, int] | None = None
+
+
+class PrefillWorker:
+    def __init__(
+        self, worker_id: str, config: EngineConfig, transport: Transport, transfer_timeout: float
+    ) -> None:
+        self.worker_id = worker_id
+        self.engine = LLMEngine(config)
+        self.layout = kv_layout(self.engine)
+        self.sender = KVSender(transport, transfer_timeout, self._on_sent)
+        self._pending: dict[str, _Pending] = {}
+        self._callbacks: dict[str, ResultCallback] = {}
+        self._step_slots: dict[str, tuple[int, torch.Tensor]] = {}
+        self.bytes_sent = 0
+        self.transfer_failures = 0
+        self.transfer_seconds: list[float] = []
+        self.thread = EngineThread(
+            f"prefill-{worker_id}", self._step, lambda: self.engine.has_unfinished, self._crashed
+        )
+
+    # -- any thread ------------------------------------------------------------------------
+
+    def submit(self, request: WorkRequest, ticket: Ticket, on_result: ResultCallback) -> None:
+        """Queues a prefill; `on_result(request_id, result or error)` runs exactly once, on a
+        worker thread."""
+        if ticket.layout != self.layout:
+            on_result(request.request_id, ValueError(f"KV layout {ticket.layout} != {self.layout}"))
+            return
+        self.thread.submit(self._add, request, ticket, on_result).add_done_callback(
+            lambda f: f.exception() and on_result(request.request_id, f.exception())
+        )
+
+    def abort(self, request_id: str) -> None:
+        self.thread.submit(self._abort, request_id)
+
+    # -- engine thread ---------------------------------------------------------------------
+
+    def _add(self, request: WorkRequest, ticket: Ticket, on_result: ResultCallback) -> None:
+        # Stop after one new token: its decode worker generates the rest.
+        num_out = len(request.output_ids)
+        params = dataclasses.replace(
+            request.params,
+            max_tokens=num_out + 1,
+            min_tokens=min(request.params.min_tokens, num_out + 1),
+        )
+        self.engine.add_request(request.request_id, request.prompt_ids, params, request.output_ids)
+        self._pending[request.request_id] = _Pending(request, ticket)
+        self._callbacks[request.request_id] = on_result
+        self.sender.open(ticket)
+
+    def _abort(self, request_id: str) -> None:
+        pending = self._pending.pop(request_id, None)
+        if pending is None:
+            return
+        self.engine.abort(request_id)
+        self.sender.send_abort(pending.ticket, "aborted by the coordinator")
+
+    def _step(self) -> None:
+        self._step_slots.clear()
+        for update in self.engine.step(on_layer=self._send_layer):
+            pending = self._pending.get(update.request_id)
+            if pending is None:
+                continue
+            token, logprobs = update.new_token_ids[0], update.new_logprobs[0]
+            pending.sampled = (token, logprobs, update.num_cached_tokens)
+            self.sender.send_done(pending.ticket, token, logprobs)
+
+    def _send_layer(self, plan: StepPlan, layer: int) -> None:
+        if layer == 0:
+            self._plan_slots(plan)
+        key_cache, value_cache = self.engine.runner.kv_caches[layer]
+        now = time.monotonic()
+        for request_id, (start, slots) in self._step_slots.items():
+            pending = self._pending[request_id]
+            payload = ops.pack_kv(key_cache, value_cache, slots)  # [2, n, kv_heads, head_dim]
+            ready = _record_event(payload)
+            self.sender.send_layer(pending.ticket, layer, start, payload, ready)
+            pending.layers_computed.append((layer, now))
+
+    def _plan_slots(self, plan: StepPlan) -> None:
+        """Slots of the tokens each request sends this step: its chunk, plus any earlier tokens
+        found in this worker's prefix cache that the decode worker does not hold."""
+        bs = self.engine.config.block_size
+        device = self.engine.runner.device
+        for chunk in plan.chunks:
+            pending = self._pending.get(chunk.seq.request_id)
+            if pending is None:
+                continue
+            start = pending.sent_upto
+            if start < chunk.end:
+                slots = slots_of(chunk.seq.block_table, start, chunk.end, bs)
+                tensor = torch.tensor(slots, dtype=torch.int64, device=device)
+                self._step_slots[chunk.seq.request_id] = (start, tensor)
+                pending.sent_upto = chunk.end
+
+    def _crashed(self, err: BaseException) -> None:
+        for request_id in list(self._callbacks):
+            self._resolve(request_id, RuntimeError(f"prefill worker crashed: {err}"))
+
+    # -- sender thread ---------------------------------------------------------------------
+
+    def _on_sent(self, request_id: str, record: SendRecord, error: TransferError | None) -> None:
+        pending = self._pending.get(request_id)
+        if error is not None:
+            self.transfer_failures += 1
+            self.abort(request_id)
+            self._resolve(request_id, error)
+            return
+        self.bytes_sent += record.bytes_sent
+        self.transfer_seconds.append(record.seconds)
+        if pending is None or pending.sampled is None:
+            return
+        self._pending.pop(request_id, None)
+        token, logprobs, num_cached = pending.sampled
+        result = PrefillResult(
+            request_id,
+            token,
+            logprobs,
+            num_cached,
+            record.bytes_sent,
+            record.seconds,
+            pending.layers_computed,
+            record.layer_sends,
+        )
+        self._resolve(request_id, result)
+
+    def _resolve(self, request_id: str, outcome: PrefillResult | Exception) -> None:
+        callback = self._callbacks.pop(request_id, None)
+        if callback is not None:
+            callback(request_id, outcome)
+
+    def shutdown(self) -> None:
+        self.thread.stop()
+        self.sender.close()
+
+
+def _record_event(payload: torch.Tensor):
+    if payload.device.type != "cuda":
+        return None
+    event = torch.cuda.Event()
+    event.record()
+    return event
