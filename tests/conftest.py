@@ -2,11 +2,21 @@
 
 from __future__ import annotations
 
+import importlib.util
+import os
 from pathlib import Path
 
 import pytest
+import torch
 
-from tests.support.checkpoints import build_checkpoint
+# Without CUDA the Triton kernel tests run in Triton's interpreter. The flag is read when a kernel
+# is decorated, including triton's own library functions on its first import, and transformers
+# imports triton (through torch._dynamo) below: so it is set here, first. Only Triton code reads
+# it, and the CPU tests run none but ours.
+if importlib.util.find_spec("triton") is not None and not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from tests.support.checkpoints import build_checkpoint  # noqa: E402
 
 
 @pytest.fixture(scope="session")
