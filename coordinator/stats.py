@@ -11,6 +11,11 @@ from dataclasses import dataclass
 TRANSFER_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 
 
+def bucket_counts(seconds: list[float]) -> tuple[int, ...]:
+    """Cumulative histogram counts of `seconds` over TRANSFER_BUCKETS."""
+    return tuple(sum(s <= bound for s in seconds) for bound in TRANSFER_BUCKETS)
+
+
 @dataclass(frozen=True)
 class WorkerStats:
     worker: str  # e.g. "prefill-0", "decode-1", "colocated-0"

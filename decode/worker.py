@@ -16,7 +16,7 @@ import threading
 import time
 from concurrent.futures import Future
 
-from coordinator.stats import TRANSFER_BUCKETS, WorkerStats
+from coordinator.stats import WorkerStats, bucket_counts
 from engine.block_manager import slots_of
 from engine.config import EngineConfig
 from engine.engine import LLMEngine
@@ -187,7 +187,7 @@ class DecodeWorker:
             kv_transfer_failures=self.transfer_failures,
             kv_transfer_count=len(seconds),
             kv_transfer_seconds_sum=sum(seconds),
-            kv_transfer_buckets=tuple(sum(s <= b for s in seconds) for b in TRANSFER_BUCKETS),
+            kv_transfer_buckets=bucket_counts(seconds),
             requests_prefilled_locally=self.prefilled_locally,
         )
 

@@ -14,10 +14,12 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections.abc import Callable
+from concurrent.futures import Future
 from typing import NamedTuple
 
 import torch
 
+from coordinator.stats import WorkerStats, bucket_counts
 from engine.block_manager import slots_of
 from engine.config import EngineConfig
 from engine.engine import LLMEngine
@@ -92,6 +94,9 @@ class PrefillWorker:
     def abort(self, request_id: str) -> None:
         self.thread.submit(self._abort, request_id)
 
+    def stats(self) -> Future:
+        return self.thread.submit(self._stats)
+
     # -- engine thread ---------------------------------------------------------------------
 
     def _add(self, request: WorkRequest, ticket: Ticket, on_result: ResultCallback) -> None:
@@ -151,6 +156,28 @@ class PrefillWorker:
                 tensor = torch.tensor(slots, dtype=torch.int64, device=device)
                 self._step_slots[chunk.seq.request_id] = (start, tensor)
                 pending.sent_upto = chunk.end
+
+    def _stats(self) -> WorkerStats:
+        scheduler, blocks = self.engine.scheduler, self.engine.blocks
+        seconds = list(self.transfer_seconds)
+        return WorkerStats(
+            worker=self.worker_id,
+            pool="prefill",
+            num_running=len(scheduler.running),
+            num_waiting=len(scheduler.waiting),
+            queued_prefill_tokens=sum(
+                s.num_uncomputed_tokens for s in (*scheduler.running, *scheduler.waiting)
+            ),
+            num_free_blocks=blocks.num_free_blocks,
+            num_total_blocks=blocks.num_blocks,
+            prefix_cache_queries=blocks.prefix_queries,
+            prefix_cache_hits=blocks.prefix_hits,
+            kv_transfer_bytes=self.bytes_sent,
+            kv_transfer_failures=self.transfer_failures,
+            kv_transfer_count=len(seconds),
+            kv_transfer_seconds_sum=sum(seconds),
+            kv_transfer_buckets=bucket_counts(seconds),
+        )
 
     def _crashed(self, err: BaseException) -> None:
         for request_id in list(self._callbacks):

@@ -1,0 +1,111 @@
+"""TrackedRequest: one client request as the coordinator follows it across workers and retries.
+
+Output tokens are kept by index: a worker reports `first_index` with every batch, so a token
+seen twice (the prefill worker's first token, then the decode worker's copy; or a retry) is
+dropped, and tokens are never skipped.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from coordinator.router import Route
+from engine.output_processor import RequestState
+from engine.outputs import RequestOutput, SeqUpdate
+from engine.requests import TokenUpdate, WorkRequest
+from engine.sampler import TokenLogprobs
+from engine.sampling_params import SamplingParams
+from engine.sequence import FinishReason
+from engine.tokenizer import Tokenizer
+
+
+class TrackedRequest:
+    def __init__(
+        self, request_id: str, prompt_ids: list[int], params: SamplingParams, tokenizer: Tokenizer
+    ) -> None:
+        self.request_id = request_id
+        self.prompt_ids = prompt_ids
+        self.params = params
+        self.frontend = RequestState(request_id, prompt_ids, params, tokenizer)
+        self.output_ids: list[int] = []
+        self.stream: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        self.attempt = 0
+        self.route: Route | None = None
+        self.ended = asyncio.Event()  # finished, or lost by its current worker
+        self.lost_reason: str | None = None
+        self.num_cached_tokens = 0
+        self.queue_seconds: float | None = None
+
+    @property
+    def worker_request_id(self) -> str:
+        """Distinct per attempt, so a late message about an old attempt is recognised."""
+        return f"{self.request_id}#{self.attempt}"
+
+    @property
+    def finished(self) -> bool:
+        return self.frontend.finished
+
+    def next_attempt(self) -> WorkRequest:
+        self.attempt += 1
+        self.ended = asyncio.Event()
+        self.lost_reason = None
+        return WorkRequest(
+            self.worker_request_id, self.prompt_ids, self.params, list(self.output_ids)
+        )
+
+    def lose(self, reason: str) -> None:
+        if not self.finished:
+            self.lost_reason = reason
+            self.ended.set()
+
+    def accept(self, update: TokenUpdate) -> bool:
+        """Folds a worker's update in; True if a stop string ended the request (the caller
+        then aborts it on its worker)."""
+        if update.error is not None:
+            self.lose(update.error)
+            return False
+        skip = len(self.output_ids) - update.first_index
+        if skip < 0:  # a gap: cannot happen with in-order workers; treat as a lost worker
+            self.lose(f"token {len(self.output_ids)} never arrived")
+            return False
+        new_ids, new_logprobs = update.token_ids[skip:], update.logprobs[skip:]
+        if not new_ids and update.finish_reason is None:
+            return False
+        if update.queue_seconds is not None and self.queue_seconds is None:
+            self.queue_seconds = update.queue_seconds
+        self.num_cached_tokens = max(self.num_cached_tokens, update.num_cached_tokens)
+        return self._emit(new_ids, new_logprobs, update.finish_reason, update.stop_token_id)
+
+    def accept_first(self, index: int, token_id: int, logprobs: TokenLogprobs | None) -> None:
+        """The prefill worker's token: streamed at once, before the decode worker reports it."""
+        if index == len(self.output_ids) and not self.finished:
+            self._emit([token_id], [logprobs], None, None)
+
+    def _emit(
+        self,
+        token_ids: list[int],
+        logprobs: list[TokenLogprobs | None],
+        finish_reason: FinishReason | None,
+        stop_token_id: int | None,
+    ) -> bool:
+        self.output_ids.extend(token_ids)
+        update = SeqUpdate(
+            request_id=self.request_id,
+            new_token_ids=token_ids,
+            new_logprobs=logprobs,
+            finish_reason=finish_reason,
+            stop_token_id=stop_token_id,
+            num_prompt_tokens=len(self.prompt_ids),
+            num_cached_tokens=self.num_cached_tokens,
+            queue_seconds=self.queue_seconds,
+            num_output_tokens=len(self.output_ids),
+        )
+        output, stop_string_hit = self.frontend.apply(update)
+        self.stream.put_nowait(output)
+        if self.finished:
+            self.ended.set()
+        return stop_string_hit
+
+    def fail(self, err: BaseException) -> None:
+        self.stream.put_nowait(err)
+        self.ended.set()

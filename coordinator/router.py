@@ -1,0 +1,127 @@
+"""Router: picks the workers for a request. Pure Python on counts and hashes (no torch, no Ray).
+
+Decode worker: fewest running requests, then most free KV blocks, then the longest prefix of the
+prompt it has seen before (its prefix cache likely still holds it). Prefill worker: fewest queued
+prompt tokens (in coarse buckets, so near-equal loads count as equal), then prefix overlap.
+A prompt whose part the chosen decode worker does not already hold is shorter than
+`local_prefill_threshold` tokens is prefilled on that decode worker (0: never).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+from engine.block_manager import block_hash
+
+PREFILL_LOAD_BUCKET = 256  # queued tokens
+REMEMBERED_PREFIXES = 4096  # block hashes remembered per worker
+
+
+@dataclass
+class WorkerLoad:
+    worker_id: str
+    running: int = 0  # requests the coordinator has placed there and not seen finish
+    queued_tokens: int = 0  # prompt tokens placed there and not yet prefilled
+    free_blocks: int = 0  # from the worker's last stats report
+    alive: bool = True
+    prefixes: OrderedDict[int, None] = field(default_factory=OrderedDict)
+
+    def overlap(self, hashes: list[int]) -> int:
+        """How many leading blocks of the prompt this worker has seen."""
+        count = 0
+        for digest in hashes:
+            if digest not in self.prefixes:
+                break
+            count += 1
+        return count
+
+    def remember(self, hashes: list[int]) -> None:
+        for digest in hashes:
+            self.prefixes[digest] = None
+            self.prefixes.move_to_end(digest)
+        while len(self.prefixes) > REMEMBERED_PREFIXES:
+            self.prefixes.popitem(last=False)
+
+
+def prefix_hashes(token_ids: list[int], block_size: int) -> list[int]:
+    """Chained hashes of the prompt's full blocks, as every worker's block manager makes them."""
+    hashes, parent = [], None
+    for start in range(0, len(token_ids) - block_size + 1, block_size):
+        parent = block_hash(parent, tuple(token_ids[start : start + block_size]))
+        hashes.append(parent)
+    return hashes
+
+
+class NoWorkerError(RuntimeError):
+    """Every worker of a pool is dead."""
+
+
+@dataclass(frozen=True)
+class Route:
+    decode_id: str
+    prefill_id: str | None  # None: prefill on the decode worker
+
+
+class Router:
+    def __init__(
+        self, prefill_ids: list[str], decode_ids: list[str], block_size: int, local_threshold: int
+    ) -> None:
+        self.prefill = {w: WorkerLoad(w) for w in prefill_ids}
+        self.decode = {w: WorkerLoad(w) for w in decode_ids}
+        self.block_size = block_size
+        self.local_threshold = local_threshold
+
+    def route(self, token_ids: list[int]) -> Route:
+        hashes = prefix_hashes(token_ids, self.block_size)
+        decode = min(
+            _alive(self.decode, "decode"),
+            key=lambda w: (w.running, -w.free_blocks, -w.overlap(hashes)),
+        )
+        uncached = len(token_ids) - decode.overlap(hashes) * self.block_size
+        prefills = [w for w in self.prefill.values() if w.alive]
+        if not prefills or uncached < self.local_threshold:
+            return Route(decode.worker_id, None)
+        prefill = min(
+            prefills, key=lambda w: (w.queued_tokens // PREFILL_LOAD_BUCKET, -w.overlap(hashes))
+        )
+        return Route(decode.worker_id, prefill.worker_id)
+
+    def placed(self, route: Route, token_ids: list[int]) -> None:
+        hashes = prefix_hashes(token_ids, self.block_size)
+        self.decode[route.decode_id].running += 1
+        self.decode[route.decode_id].remember(hashes)
+        if route.prefill_id is not None:
+            self.prefill[route.prefill_id].queued_tokens += len(token_ids)
+            self.prefill[route.prefill_id].remember(hashes)
+
+    def prefilled(self, route: Route, num_tokens: int) -> None:
+        if route.prefill_id is not None:
+            load = self.prefill[route.prefill_id]
+            load.queued_tokens = max(0, load.queued_tokens - num_tokens)
+
+    def finished(self, route: Route) -> None:
+        load = self.decode[route.decode_id]
+        load.running = max(0, load.running - 1)
+
+    def observe(self, worker_id: str, free_blocks: int) -> None:
+        """Records a worker's latest free KV block count."""
+        for pool in (self.prefill, self.decode):
+            if worker_id in pool:
+                pool[worker_id].free_blocks = free_blocks
+
+    def is_alive(self, worker_id: str) -> bool:
+        load = self.decode.get(worker_id) or self.prefill.get(worker_id)
+        return load is not None and load.alive
+
+    def mark_dead(self, worker_id: str) -> None:
+        for pool in (self.prefill, self.decode):
+            if worker_id in pool:
+                pool[worker_id].alive = False
+
+
+def _alive(pool: dict[str, WorkerLoad], name: str) -> list[WorkerLoad]:
+    alive = [w for w in pool.values() if w.alive]
+    if not alive:
+        raise NoWorkerError(f"no live {name} worker")
+    return alive

@@ -1,0 +1,52 @@
+"""One Ray cluster for the whole session (starting one costs seconds), and pools built on it."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from tests.support.loop import LoopThread
+
+
+@pytest.fixture(scope="session")
+def ray_cluster():
+    os.environ["RAY_AUTH_MODE"] = "disabled"
+    import ray
+
+    from coordinator.builder import connect_ray
+
+    connect_ray(None, num_cpus=32)  # logical CPUs: room for several pools at once
+    yield ray
+    ray.shutdown()
+
+
+@pytest.fixture(scope="session")
+def loop():
+    thread = LoopThread()
+    yield thread
+    thread.close()
+
+
+@pytest.fixture(scope="session")
+def build_pool(ray_cluster, loop):
+    """build_pool(checkpoint, mode=..., num_prefill=..., num_decode=..., **engine options)."""
+    from coordinator.builder import DeployConfig, build_client
+    from engine.config import EngineConfig
+
+    built = []
+
+    def build(checkpoint, engine_options=None, **deploy_options):
+        engine_options = {"dtype": "float32", "block_size": 4, "num_kv_blocks": 256,
+                          **(engine_options or {})}  # fmt: skip
+        deploy = DeployConfig(threads_per_worker=1, **deploy_options)
+        client = build_client(EngineConfig(checkpoint, **engine_options), deploy)
+        loop.run(client.ready(), timeout=300)
+        built.append(client)
+        return client
+
+    yield build
+    for client in built:
+        loop.run(client.shutdown())
+        for worker in (*client.prefill.values(), *client.decode.values()):
+            ray_cluster.kill(worker)
