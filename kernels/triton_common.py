@@ -30,6 +30,12 @@ def dot_dtype(dtype: torch.dtype) -> tl.dtype:
     return tl.float32 if interpreting() else _TL_DTYPES[dtype]
 
 
+def dot_precision(dtype: torch.dtype) -> str:
+    """`tl.dot`'s input_precision: exact for float32 operands (no TF32 rounding of a float32
+    cache), the default otherwise (it only applies to float32 operands)."""
+    return "ieee" if dot_dtype(dtype) == tl.float32 else "tf32"
+
+
 def require(condition: bool, message: str) -> None:
     if not condition:
         raise ValueError(message)

@@ -22,6 +22,7 @@ import triton.language as tl
 
 from kernels.triton_common import (
     dot_dtype,
+    dot_precision,
     num_sms,
     require,
     require_cache_pair,
@@ -65,6 +66,7 @@ def _decode_attention_kernel(
     SPLIT_TOKENS: tl.constexpr,
     SPLIT: tl.constexpr,
     DOT_DTYPE: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -94,14 +96,16 @@ def _decode_attention_kernel(
         kv_offsets = rows_at[:, None] + kv_head * HEAD_DIM + dims[None, :]
         kv_mask = token_mask[:, None] & dim_mask[None, :]
         k = tl.load(key_cache_ptr + kv_offsets, mask=kv_mask, other=0.0).to(DOT_DTYPE)
-        scores = tl.dot(q, tl.trans(k), input_precision="ieee") * scale_log2  # [GROUP_PAD, N]
+        scores = (
+            tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
+        )  # [GROUP_PAD, N]
         scores = tl.where(token_mask[None, :], scores, float("-inf"))
         m_new = tl.maximum(m, tl.max(scores, axis=1))
         p = tl.exp2(scores - m_new[:, None])
         alpha = tl.exp2(m - m_new)
         denom = denom * alpha + tl.sum(p, axis=1)
         v = tl.load(value_cache_ptr + kv_offsets, mask=kv_mask, other=0.0).to(DOT_DTYPE)
-        acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), v, input_precision="ieee")
+        acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), v, input_precision=DOT_PRECISION)
         m = m_new
 
     out = acc / tl.where(denom > 0, denom, 1.0)[:, None]  # an empty split stays zero
@@ -225,6 +229,7 @@ def decode_attention(
         GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)),
         HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_SIZE=block_size, BLOCK_N=block_n,
         SPLIT_TOKENS=split_tokens, SPLIT=num_splits > 1, DOT_DTYPE=dot_dtype(query.dtype),
+        DOT_PRECISION=dot_precision(query.dtype),
         num_warps=4, num_stages=2,
     )  # fmt: skip
     if num_splits > 1:
