@@ -11,6 +11,7 @@ import logging
 import queue
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import NamedTuple
@@ -22,6 +23,7 @@ from kvtransfer.transport import Channel, TransferError, Transport
 from kvtransfer.wire import AbortFrame, DoneFrame, Frame, LayerFrame, send_frame
 
 log = logging.getLogger(__name__)
+REMEMBERED_FAILURES = 10_000
 
 
 @dataclass
@@ -61,7 +63,7 @@ class KVSender:
         self._channels: dict[str, Channel] = {}
         self._dead_keys: set[str] = set()
         self._records: dict[str, SendRecord] = {}
-        self._failed: set[str] = set()
+        self._failed: OrderedDict[str, None] = OrderedDict()  # recent failures, bounded
         self._thread = threading.Thread(target=self._run, name="tandem-kv-sender", daemon=True)
         self._thread.start()
 
@@ -94,9 +96,7 @@ class KVSender:
         while (job := self._jobs.get()) is not None:
             request_id = job.ticket.request_id
             if job.frame is not None and request_id in self._failed:
-                if isinstance(job.frame, DoneFrame | AbortFrame):  # its last frame: forget it
-                    self._failed.discard(request_id)
-                continue
+                continue  # its transfer already failed; later frames would only fail again
             try:
                 self._send(job)
             except TransferError as err:
@@ -143,5 +143,7 @@ class KVSender:
 
     def _fail(self, request_id: str, err: TransferError) -> None:
         record = self._records.pop(request_id, SendRecord())
-        self._failed.add(request_id)
+        self._failed[request_id] = None
+        if len(self._failed) > REMEMBERED_FAILURES:
+            self._failed.popitem(last=False)
         self.on_finished(request_id, record, err)

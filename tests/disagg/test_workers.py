@@ -93,3 +93,112 @@ def test_disaggregated_greedy_equals_colocated(tiny_llama, workers) -> None:
     assert free == decode.engine.blocks.num_blocks
     assert prefill.engine.blocks.num_free_blocks == prefill.engine.blocks.num_blocks
     assert layout.num_layers == 2
+
+
+def expected_bytes(prefill: PrefillWorker, num_tokens: int) -> int:
+    layout = prefill.layout  # float32: 4 bytes per value
+    return num_tokens * layout.num_layers * 2 * layout.kv_heads * layout.head_dim * 4
+
+
+def test_bytes_moved_are_the_uncached_kv(workers) -> None:
+    prefill, decode = workers
+    vocab = prefill.engine.model_config.vocab_size
+    shared = [(7 * i) % (vocab - 3) + 3 for i in range(24)]  # 6 full blocks of 4
+    first = WorkRequest("bytes-a", [*shared, 5, 6, 7], GREEDY)
+    sent_before = prefill.bytes_sent
+    received_before = decode.receiver.bytes_received
+    run_remote(prefill, decode, [first])
+    assert prefill.bytes_sent - sent_before == expected_bytes(prefill, 27)
+    assert decode.receiver.bytes_received - received_before == expected_bytes(prefill, 27)
+
+    # Same 24-token prefix: the decode worker holds those blocks, so only 3 tokens move.
+    second = WorkRequest("bytes-b", [*shared, 9, 10, 11], GREEDY)
+    sent_before = prefill.bytes_sent
+    ticket = decode.reserve(second, prefill.worker_id).result(TIMEOUT)
+    assert ticket.num_cached_tokens == 24
+    results = Results()
+    prefill.submit(second, ticket, results.on_prefill)
+    deadline = time.monotonic() + TIMEOUT
+    while "bytes-b" not in results.finished:
+        assert time.monotonic() < deadline
+        for update in decode.take_updates(timeout=0.5):
+            results.apply(update)
+    assert prefill.bytes_sent - sent_before == expected_bytes(prefill, 3)
+    assert ticket.num_bytes == expected_bytes(prefill, 3)
+
+
+def test_unclaimed_reservation_expires_and_frees_its_blocks(tiny_llama) -> None:
+    config = EngineConfig(tiny_llama, dtype="float32", block_size=4, num_kv_blocks=64)
+    transport = make_transport("gloo", __import__("torch").device("cpu"))
+    decode = DecodeWorker("d-lease", config, transport, transfer_timeout=0.5)
+    try:
+        request = WorkRequest("orphan", list(range(3, 40)), GREEDY)
+        ticket = decode.reserve(request, "p-never").result(TIMEOUT)
+        assert ticket is not None
+        assert decode.engine.blocks.num_free_blocks == 64 - 10
+        updates = []
+        deadline = time.monotonic() + 10
+        while not updates:
+            assert time.monotonic() < deadline, "the lease never expired"
+            updates = decode.take_updates(timeout=0.5)
+        assert updates[0].request_id == "orphan" and "did not arrive" in updates[0].error
+        assert decode.engine.blocks.num_free_blocks == 64
+    finally:
+        decode.shutdown()
+
+
+class BreaksAfter:
+    """A transport whose channels fail after `limit` sends, like a peer that vanished."""
+
+    def __init__(self, inner, limit: int) -> None:
+        self.inner, self.limit, self.name = inner, limit, "breaking"
+
+    def connect(self, rendezvous, key, timeout):
+        channel, transport = self.inner.connect(rendezvous, key, timeout), self
+
+        class Breaking:
+            sends = 0
+
+            def send(self, tensor, timeout):
+                Breaking.sends += 1
+                if Breaking.sends > transport.limit:
+                    channel.close()
+                    from kvtransfer.transport import TransferError
+
+                    raise TransferError("injected: link down")
+                channel.send(tensor, timeout)
+
+            def recv(self, tensor, timeout):
+                channel.recv(tensor, timeout)
+
+            def close(self):
+                channel.close()
+
+        return Breaking()
+
+    def accept(self, store, key, timeout):
+        return self.inner.accept(store, key, timeout)
+
+
+def test_failed_transfer_reports_an_error_and_frees_blocks_on_both_sides(tiny_llama) -> None:
+    config = EngineConfig(tiny_llama, dtype="float32", block_size=4, num_kv_blocks=64)
+    gloo = make_transport("gloo", __import__("torch").device("cpu"))
+    prefill = PrefillWorker("p-flaky", config, BreaksAfter(gloo, limit=3), 5.0)
+    decode = DecodeWorker("d-flaky", config, gloo, transfer_timeout=5.0)
+    try:
+        request = WorkRequest("doomed", list(range(3, 40)), GREEDY)
+        ticket = decode.reserve(request, prefill.worker_id).result(TIMEOUT)
+        results = Results()
+        prefill.submit(request, ticket, results.on_prefill)
+        deadline = time.monotonic() + 20
+        while "doomed" not in results.finished or "doomed" not in results.prefill:
+            assert time.monotonic() < deadline, "the failure never reached both workers"
+            for update in decode.take_updates(timeout=0.5):
+                results.apply(update)
+        assert "doomed" in results.errors
+        assert isinstance(results.prefill["doomed"], Exception)
+        assert decode.engine.blocks.num_free_blocks == 64
+        assert prefill.engine.blocks.num_free_blocks == 64
+    finally:
+        prefill.shutdown()
+        decode.shutdown()
