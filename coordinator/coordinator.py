@@ -170,7 +170,7 @@ class Coordinator:
                 )  # fmt: skip
             except Exception as err:
                 self._note_failure(route.prefill_id, err)
-                request.lose(f"prefill on {route.prefill_id} failed: {err}")
+                request.lose(f"prefill on {route.prefill_id} failed: {_brief(err)}")
                 return
             finally:
                 self.router.prefilled(route, len(work.token_ids))
@@ -283,3 +283,13 @@ class Coordinator:
         return await asyncio.wait_for(
             method.remote(*args), timeout=timeout or self.config.call_timeout
         )
+
+
+def _brief(err: BaseException) -> str:
+    """One line about an error (Ray's messages run to many lines)."""
+    if isinstance(err, RayActorError):
+        return "the worker died"
+    if isinstance(err, TimeoutError):
+        return "no answer in time"
+    lines = str(err).strip().splitlines()
+    return lines[-1] if lines else type(err).__name__

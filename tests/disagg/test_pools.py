@@ -6,7 +6,9 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+import ray
 
+from engine.config import ModelConfig
 from engine.llm import LLM
 from engine.sampling_params import SamplingParams
 from tests.engine.test_batch_invariance import mixed_prompts
@@ -42,3 +44,30 @@ def test_disaggregated_equals_colocated(
 ) -> None:
     client = build_pool(tiny_llama, num_prefill=num_prefill, num_decode=num_decode)
     assert run_all(loop, client, prompts) == expected
+
+
+def test_colocated_mode_prefills_everything_on_its_workers(
+    tiny_llama, build_pool, loop, prompts, expected
+) -> None:
+    client = build_pool(tiny_llama, mode="colocated", num_prefill=1, num_decode=1)
+    assert not client.prefill and set(client.decode) == {"colocated-0", "colocated-1"}
+    assert run_all(loop, client, prompts) == expected
+    stats = [ray.get(h.stats.remote(), timeout=10) for h in client.decode.values()]
+    assert sum(s.requests_prefilled_locally for s in stats) == len(prompts)
+    assert all(s.kv_transfer_bytes == 0 for s in stats)
+
+
+def test_short_prompts_prefill_on_the_decode_worker(
+    tiny_llama, build_pool, loop, prompts, expected
+) -> None:
+    threshold = 20
+    client = build_pool(tiny_llama, local_prefill_threshold=threshold)
+    assert run_all(loop, client, prompts, tag="t") == expected
+    decode = ray.get(client.decode["decode-0"].stats.remote(), timeout=10)
+    prefill = ray.get(client.prefill["prefill-0"].stats.remote(), timeout=10)
+    short = [p for p in prompts if len(p) < threshold]
+    assert decode.requests_prefilled_locally == len(short) > 0
+    long_tokens = sum(len(p) for p in prompts if len(p) >= threshold)
+    cfg = ModelConfig.from_pretrained(tiny_llama)
+    per_token = cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * 4  # float32 K and V
+    assert prefill.kv_transfer_bytes == decode.kv_transfer_bytes == long_tokens * per_token
