@@ -30,6 +30,10 @@ class DecodeActor:
         channel_transport = make_transport(transport, torch.device(config.device))
         self.worker = DecodeWorker(worker_id, config, channel_transport, transfer_timeout, host)
 
+    async def node_id(self) -> str:
+        """The Ray node this worker landed on."""
+        return ray.get_runtime_context().get_node_id()
+
     async def ping(self) -> int:
         """Answers once the model is loaded: the context length this worker serves."""
         return self.worker.engine.max_model_len

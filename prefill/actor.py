@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 
+import ray
 import torch
 
 from coordinator.stats import WorkerStats
@@ -26,6 +27,10 @@ class PrefillActor:
         torch.set_num_threads(num_threads)
         channel_transport = make_transport(transport, torch.device(config.device))
         self.worker = PrefillWorker(worker_id, config, channel_transport, transfer_timeout)
+
+    async def node_id(self) -> str:
+        """The Ray node this worker landed on."""
+        return ray.get_runtime_context().get_node_id()
 
     async def ping(self) -> int:
         """Answers once the model is loaded: the context length this worker serves."""

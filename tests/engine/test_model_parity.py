@@ -65,8 +65,8 @@ def test_prefill_logits_close_to_transformers(checkpoints, family: str) -> None:
     captured = []
     original = llm.engine.runner.model.forward
 
-    def spy(batch, kv_caches):
-        logits = original(batch, kv_caches)
+    def spy(batch, kv_caches, on_layer=None):
+        logits = original(batch, kv_caches, on_layer)
         captured.append(logits)
         return logits
 
