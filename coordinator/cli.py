@@ -8,7 +8,7 @@ import os
 import sys
 from collections.abc import Callable, Sequence
 
-from coordinator import bench_cmd, generate_cmd
+from coordinator import bench_cmd, generate_cmd, serve_cmd
 
 EXIT_FAILURE = 1
 EXIT_USAGE = 2
@@ -30,6 +30,7 @@ def build_parser() -> argparse.ArgumentParser:
     fetch.set_defaults(run=_fetch_model)
     generate_cmd.add_parser(commands)
     bench_cmd.add_parser(commands)
+    serve_cmd.add_parser(commands)
     return parser
 
 

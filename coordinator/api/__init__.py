@@ -1,0 +1,1 @@
+"""The OpenAI-compatible HTTP endpoint: a FastAPI app in front of any `EngineClient`."""

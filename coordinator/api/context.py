@@ -1,0 +1,51 @@
+"""What every route of one app shares: the backend, the settings, admission and metrics."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from fastapi import Request
+
+from coordinator.api.admission import Admission
+from coordinator.api.errors import ApiError
+from coordinator.api.logprobs import TokenTexts
+from coordinator.api.metrics import ServerMetrics
+from coordinator.client import EngineClient
+
+DEFAULT_MAX_QUEUE = 256
+
+
+@dataclass(frozen=True)
+class ServerSettings:
+    api_key: str | None = None  # when set, every route but health/ready/metrics needs it
+    max_queue: int = DEFAULT_MAX_QUEUE  # requests admitted but without output yet
+    retry_after_s: int = 1  # the Retry-After sent with a 503 for a full queue
+    ready_timeout_s: float = 30.0  # how long the readiness probe's generation may take
+
+
+class ServerContext:
+    def __init__(self, client: EngineClient, settings: ServerSettings) -> None:
+        self.client = client
+        self.settings = settings
+        self.created = int(time.time())
+        self.admission = Admission(settings.max_queue, settings.retry_after_s)
+        self.metrics = ServerMetrics(
+            client.model_name, client.stats, lambda: self.admission.num_waiting
+        )
+        self.token_texts = TokenTexts(client.tokenizer)
+
+    def check_model(self, model: str | None) -> None:
+        """A request may name the served model or none; any other name is a 404."""
+        if model is not None and model != self.client.model_name:
+            raise ApiError(
+                404,
+                f"the model {model!r} does not exist; this server serves "
+                f"{self.client.model_name!r}",
+                param="model",
+                code="model_not_found",
+            )
+
+
+def context_of(request: Request) -> ServerContext:
+    return request.app.state.tandem

@@ -1,0 +1,107 @@
+"""Request-level Prometheus metrics, observed by the HTTP layer from the streams it relays.
+
+Names carry the `tandem:` prefix and follow vLLM's where they mean the same thing, so existing
+dashboards need only the prefix changed. Worker-level metrics come from `worker_metrics`.
+Each app has its own registry: several servers in one process (tests) never share counters.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator, Callable
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from coordinator.api.streams import closing
+from coordinator.api.worker_metrics import WorkerStatsCollector
+from coordinator.stats import WorkerStats
+from engine.outputs import RequestOutput
+
+LATENCY_BUCKETS = (
+    0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+    40.0, 80.0, 160.0, 640.0,
+)  # fmt: skip
+TOKEN_GAP_BUCKETS = (
+    0.001, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0,
+    10.0, 20.0,
+)  # fmt: skip
+REQUEST_BUCKETS = (
+    0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 60.0, 120.0, 240.0,
+    480.0, 960.0, 1920.0,
+)  # fmt: skip
+
+
+class ServerMetrics:
+    def __init__(
+        self,
+        model: str,
+        worker_stats: Callable[[], list[WorkerStats]],
+        admission_waiting: Callable[[], int],
+    ) -> None:
+        self.model = model
+        self.registry = r = CollectorRegistry()
+        self.ttft = self._histogram(
+            "time_to_first_token_seconds", "Arrival to first token.", LATENCY_BUCKETS
+        )
+        self.itl = self._histogram(
+            "inter_token_latency_seconds", "Time between output tokens.", TOKEN_GAP_BUCKETS
+        )
+        self.e2e = self._histogram(
+            "e2e_request_latency_seconds", "Arrival to last token.", REQUEST_BUCKETS
+        )
+        self.queue_time = self._histogram(
+            "request_queue_time_seconds", "Time waiting to be scheduled.", REQUEST_BUCKETS
+        )
+        self.prompt_tokens = Counter(
+            "tandem:prompt_tokens", "Prompt tokens of started requests.", ["model"], registry=r
+        ).labels(model)
+        self.generation_tokens = Counter(
+            "tandem:generation_tokens", "Generated tokens.", ["model"], registry=r
+        ).labels(model)
+        self.success = Counter(
+            "tandem:request_success", "Finished requests, by finish reason.",
+            ["model", "finished_reason"], registry=r,
+        )  # fmt: skip
+        waiting = Gauge(
+            "tandem:admission_queue_depth", "Requests admitted over HTTP with no output yet.",
+            ["model"], registry=r,
+        )  # fmt: skip
+        waiting.labels(model).set_function(admission_waiting)
+        r.register(WorkerStatsCollector(model, worker_stats))
+
+    def _histogram(self, name: str, text: str, buckets: tuple[float, ...]) -> Histogram:
+        family = Histogram(
+            f"tandem:{name}", text, ["model"], buckets=buckets, registry=self.registry
+        )
+        return family.labels(self.model)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+    async def track(
+        self, stream: AsyncIterator[RequestOutput], arrival: float
+    ) -> AsyncIterator[RequestOutput]:
+        """Relays one request's outputs unchanged, observing its timings and tokens.
+        `arrival` is a time.monotonic() reading taken when the HTTP request came in."""
+        last: float | None = None
+        async with closing(stream):
+            async for output in stream:
+                now = time.monotonic()
+                num_new = len(output.delta_token_ids)
+                if last is None:
+                    self._first_output(output, now - arrival)
+                elif num_new:  # a batch of k tokens counts as k gaps of 1/k of the wait
+                    for _ in range(num_new):
+                        self.itl.observe((now - last) / num_new)
+                last = now
+                self.generation_tokens.inc(num_new)
+                if output.finished:
+                    self.e2e.observe(now - arrival)
+                    self.success.labels(self.model, output.finish_reason).inc()
+                yield output
+
+    def _first_output(self, output: RequestOutput, ttft: float) -> None:
+        self.ttft.observe(ttft)
+        self.prompt_tokens.inc(len(output.prompt_token_ids))
+        if output.queue_seconds is not None:
+            self.queue_time.observe(output.queue_seconds)

@@ -1,0 +1,86 @@
+"""From a request body to what the backend takes: prompt token ids and SamplingParams.
+
+Every check that can fail is done here, before admission, so a bad request is a 400 and never
+occupies a place in the queue.
+"""
+
+from __future__ import annotations
+
+from coordinator.api.errors import as_api_error, invalid
+from coordinator.api.protocol import ChatMessage, Prompt, SamplingRequest
+from coordinator.client import EngineClient
+from engine.engine import RequestError
+from engine.sampling_params import SamplingError, SamplingParams
+from engine.tokenizer import Tokenizer
+
+
+def completion_prompts(tokenizer: Tokenizer, prompt: Prompt) -> list[list[int]]:
+    """One token id list per prompt: text is tokenized, token ids pass through."""
+    if isinstance(prompt, str):
+        prompts: list = [prompt]
+    elif prompt and all(isinstance(t, int) for t in prompt):
+        prompts = [prompt]
+    else:
+        prompts = list(prompt)
+    if not prompts or any(len(p) == 0 for p in prompts):
+        raise invalid("the prompt is empty", param="prompt")
+    return [tokenizer.encode(p) if isinstance(p, str) else list(p) for p in prompts]
+
+
+def chat_prompt(tokenizer: Tokenizer, messages: list[ChatMessage]) -> list[int]:
+    return tokenizer.encode_chat([m.as_template_input() for m in messages])
+
+
+def build_params(
+    client: EngineClient,
+    request: SamplingRequest,
+    prompt_ids: list[int],
+    max_tokens: int | None,
+    logprobs: int | None,
+    names: dict[str, str],
+) -> SamplingParams:
+    """SamplingParams for one prompt; `max_tokens` None means whatever context is left.
+    `names` maps SamplingParams' names to the request's (chat says max_completion_tokens)."""
+    try:
+        client.check_request(prompt_ids)
+    except RequestError as err:
+        raise invalid(str(err), param=names.get("prompt", "prompt")) from err
+    room = client.max_model_len - len(prompt_ids)
+    if max_tokens is None:
+        max_tokens = room
+    elif max_tokens > room:
+        raise invalid(
+            f"this model's context holds {client.max_model_len} tokens: the prompt has "
+            f"{len(prompt_ids)} and {names.get('max_tokens', 'max_tokens')} asks for "
+            f"{max_tokens} more",
+            param=names.get("max_tokens", "max_tokens"),
+        )
+    try:
+        return SamplingParams(max_tokens=max_tokens, logprobs=logprobs, **_sampling_fields(request))
+    except SamplingError as err:
+        error = as_api_error(err)
+        error.param = names.get(error.param or "", error.param)
+        raise error from err
+
+
+def _sampling_fields(request: SamplingRequest) -> dict:
+    """The request's sampling fields that were given (None keeps SamplingParams' default)."""
+    fields = {
+        "temperature": request.temperature,
+        "top_p": request.top_p,
+        "top_k": request.top_k,
+        "min_p": request.min_p,
+        "seed": request.seed,
+        "presence_penalty": request.presence_penalty,
+        "frequency_penalty": request.frequency_penalty,
+        "repetition_penalty": request.repetition_penalty,
+        "stop": request.stop,
+        "stop_token_ids": request.stop_token_ids,
+    }
+    given = {name: value for name, value in fields.items() if value is not None}
+    return given | {
+        "min_tokens": request.min_tokens,
+        "ignore_eos": request.ignore_eos,
+        "include_stop_str_in_output": request.include_stop_str_in_output,
+        "skip_special_tokens": request.skip_special_tokens,
+    }

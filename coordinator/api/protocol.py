@@ -1,0 +1,198 @@
+"""Request bodies of the OpenAI-compatible API, as pydantic models.
+
+Unknown parameters are refused (`extra="forbid"`, reported as a 400 naming the parameter), so
+nothing a client asks for is silently ignored. A few OpenAI parameters we do not implement are
+still accepted at their neutral value (`echo: false`, `logit_bias: {}`, `best_of` equal to `n`,
+...), because clients send them with defaults filled in.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic_core import PydanticCustomError
+
+MAX_N = 16  # choices per request; each is a separate engine request
+
+# Parameters we do not implement, and the values that ask for nothing.
+NEUTRAL_VALUES: dict[str, tuple[Any, ...]] = {
+    "echo": (None, False),
+    "suffix": (None, ""),
+    "logit_bias": (None, {}),
+    "best_of": (None, 1),
+    "tools": (None, []),
+    "tool_choice": (None, "none"),
+    "parallel_tool_calls": (None, False, True),
+    "response_format": (None, {"type": "text"}),
+    "service_tier": (None, "auto", "default"),
+    "store": (None, False),
+    "metadata": (None, {}),
+}
+
+
+def _body_error(param: str, message: str) -> PydanticCustomError:
+    """A failed check across fields; `param` names the one to blame in the 400."""
+    return PydanticCustomError("invalid_combination", message, {"param": param})
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+def _drop_neutral(data: Any) -> Any:
+    """Removes unimplemented parameters that carry their neutral value; others stay and fail."""
+    if not isinstance(data, dict):
+        return data
+    kept = dict(data)
+    for name, neutral in NEUTRAL_VALUES.items():
+        value = kept.get(name)
+        if name in kept and (value in neutral or (name == "best_of" and value == data.get("n"))):
+            del kept[name]
+    return kept
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+
+
+class SamplingRequest(_Strict):
+    """Parameters shared by completions and chat; None means the default."""
+
+    model: str | None = None
+    n: int = Field(1, ge=1, le=MAX_N)
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    seed: int | None = Field(None, ge=0, le=2**63 - 1)
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None  # an end-user id for the client's own records; kept, never used
+
+    @model_validator(mode="before")
+    @classmethod
+    def _neutral(cls, data: Any) -> Any:
+        return _drop_neutral(data)
+
+    @model_validator(mode="after")
+    def _stream_options_need_stream(self) -> SamplingRequest:
+        if self.stream_options is not None and not self.stream:
+            raise _body_error("stream_options", "stream_options needs stream set to true")
+        return self
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+
+Prompt = str | list[str] | list[int] | list[list[int]]
+
+
+class CompletionRequest(SamplingRequest):
+    prompt: Prompt
+    max_tokens: int | None = 16  # OpenAI's default for completions
+    logprobs: int | None = None  # this many alternatives per token, with the chosen one's
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _prompt_shape(cls, prompt: Any) -> Any:
+        # Checked up front: pydantic's own union errors name every member and confuse.
+        if isinstance(prompt, str) or _is_ids(prompt):
+            return prompt
+        if isinstance(prompt, list) and (
+            all(isinstance(p, str) for p in prompt) or all(_is_ids(p) for p in prompt)
+        ):
+            return prompt
+        raise PydanticCustomError(
+            "prompt_shape",
+            "prompt must be a string, a list of strings, a list of token ids "
+            "or a list of token id lists",
+        )
+
+
+def _is_ids(value: Any) -> bool:
+    return isinstance(value, list) and all(
+        isinstance(t, int) and not isinstance(t, bool) for t in value
+    )
+
+
+class ChatMessage(_Strict):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[dict[str, Any]] | None = None
+    name: str | None = None
+
+    @field_validator("content")
+    @classmethod
+    def _text_only(cls, content: Any) -> Any:
+        for part in content if isinstance(content, list) else ():
+            if part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise PydanticCustomError(
+                    "content_part",
+                    "only text content parts (type 'text' with a 'text' string) are supported",
+                )
+        return content
+
+    def as_template_input(self) -> dict[str, Any]:
+        """The plain dict a chat template reads; text parts are joined."""
+        content = self.content
+        if isinstance(content, list):
+            content = "".join(part["text"] for part in content)
+        message: dict[str, Any] = {"role": self.role, "content": content or ""}
+        if self.name is not None:
+            message["name"] = self.name
+        return message
+
+
+class ChatCompletionRequest(SamplingRequest):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = None  # None: up to the context length
+    max_completion_tokens: int | None = None  # OpenAI's newer name for max_tokens
+    logprobs: bool = False
+    top_logprobs: int | None = None
+
+    @model_validator(mode="after")
+    def _logprob_flags(self) -> ChatCompletionRequest:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise _body_error("top_logprobs", "top_logprobs needs logprobs set to true")
+        both = self.max_tokens is not None and self.max_completion_tokens is not None
+        if both and self.max_tokens != self.max_completion_tokens:
+            raise _body_error("max_tokens", "max_tokens and max_completion_tokens differ")
+        return self
+
+    @property
+    def requested_max_tokens(self) -> int | None:
+        if self.max_completion_tokens is not None:
+            return self.max_completion_tokens
+        return self.max_tokens
+
+    @property
+    def num_logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+
+class TokenizeRequest(_Strict):
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+
+    @model_validator(mode="after")
+    def _one_input(self) -> TokenizeRequest:
+        if (self.prompt is None) == (self.messages is None):
+            raise _body_error("prompt", "send exactly one of prompt and messages")
+        return self
+
+
+class DetokenizeRequest(_Strict):
+    model: str | None = None
+    tokens: list[int]

@@ -1,0 +1,63 @@
+"""Running the app under uvicorn with a graceful drain.
+
+uvicorn's own shutdown closes the listening socket at once, so a request arriving during a
+drain would be refused at the TCP level with no explanation. Here the first SIGINT/SIGTERM only
+starts draining: the socket stays open and new generation requests get 503, while requests in
+flight run to completion or until the grace period ends. Then uvicorn's shutdown runs (requests
+still running are cancelled, which aborts them) and the app's lifespan stops the backend.
+A second signal skips the rest of the drain; a third exits without stopping the backend.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import time
+from types import FrameType
+
+import uvicorn
+
+from coordinator.api.admission import Admission
+
+log = logging.getLogger(__name__)
+# uvicorn's wait for responses still open after the drain, before it cancels them; pass it as
+# the Config's timeout_graceful_shutdown.
+CANCEL_AFTER_DRAIN_S = 1.0
+
+
+class DrainingServer(uvicorn.Server):
+    def __init__(self, config: uvicorn.Config, admission: Admission, grace_s: float) -> None:
+        if config.timeout_graceful_shutdown is None:  # uvicorn would wait on a stuck stream forever
+            raise ValueError("DrainingServer needs a Config with timeout_graceful_shutdown")
+        super().__init__(config)
+        self.admission = admission
+        self.grace_s = grace_s
+        self.drain_deadline: float | None = None
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        # Not recorded in uvicorn's captured signals: it would re-raise them after shutdown,
+        # and SIGINT would then end the process with KeyboardInterrupt instead of exit 0.
+        if self.drain_deadline is None:
+            log.info(
+                "%s: draining; new requests get 503, %d in flight get up to %.0f s",
+                signal.Signals(sig).name, self.admission.num_in_flight, self.grace_s,
+            )  # fmt: skip
+            self.admission.start_draining()
+            self.drain_deadline = time.monotonic() + self.grace_s
+        elif not self.should_exit:
+            log.info("second signal: stopping without waiting for the rest of the drain")
+            self.should_exit = True
+        else:
+            self.force_exit = True
+
+    async def on_tick(self, counter: int) -> bool:
+        if self.drain_deadline is not None:
+            if self.admission.idle:
+                log.info("drained: every request in flight has finished")
+                return True
+            if time.monotonic() >= self.drain_deadline:
+                log.warning(
+                    "grace period over: cancelling %d requests", self.admission.num_in_flight
+                )
+                return True
+        return await super().on_tick(counter)

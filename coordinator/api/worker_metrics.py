@@ -1,0 +1,96 @@
+"""Worker-level Prometheus metrics: a collector that reads `EngineClient.stats()` at scrape time.
+
+Workers keep cumulative counters (see `coordinator.stats.WorkerStats`); they are exported as they
+are, one series per worker, labelled model / worker / pool. Pool-wide queue depths are sums over
+the pool's workers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
+from prometheus_client.registry import Collector
+
+from coordinator.stats import TRANSFER_BUCKETS, WorkerStats
+
+WORKER_LABELS = ["model", "worker", "pool"]
+
+# (metric name, help, WorkerStats attribute) for the per-worker series.
+GAUGES = (
+    ("tandem:num_requests_running", "Requests in the worker's running batch.", "num_running"),
+    ("tandem:num_requests_waiting", "Requests queued at the worker.", "num_waiting"),
+    ("tandem:kv_cache_usage_perc", "Fraction of KV blocks in use (1 = full).", "kv_cache_usage"),
+    ("tandem:queued_prefill_tokens", "Prompt tokens waiting to be prefilled.",
+     "queued_prefill_tokens"),
+)  # fmt: skip
+COUNTERS = (
+    ("tandem:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
+     "prefix_cache_queries"),
+    ("tandem:prefix_cache_hits", "Prompt tokens found in the prefix cache.", "prefix_cache_hits"),
+    ("tandem:kv_transfer_bytes", "KV bytes sent (prefill) or received (decode).",
+     "kv_transfer_bytes"),
+    ("tandem:kv_transfer_failures", "KV transfers that failed.", "kv_transfer_failures"),
+    ("tandem:requests_prefilled_locally", "Requests a decode worker prefilled itself.",
+     "requests_prefilled_locally"),
+)  # fmt: skip
+
+
+class WorkerStatsCollector(Collector):
+    def __init__(self, model: str, stats: Callable[[], list[WorkerStats]]) -> None:
+        self.model = model
+        self.stats = stats
+
+    def describe(self) -> list[Metric]:
+        return []  # nothing to check at registration; the names are fixed above
+
+    def collect(self) -> Iterator[Metric]:
+        snapshot = self.stats()
+        for name, text, attribute in GAUGES:
+            family = GaugeMetricFamily(name, text, labels=WORKER_LABELS)
+            for s in snapshot:
+                family.add_metric(self._labels(s), float(getattr(s, attribute)))
+            yield family
+        for name, text, attribute in COUNTERS:
+            family = CounterMetricFamily(name, text, labels=WORKER_LABELS)
+            for s in snapshot:
+                family.add_metric(self._labels(s), float(getattr(s, attribute)))
+            yield family
+        yield self._transfer_seconds(snapshot)
+        yield self._pool_queue_depth(snapshot)
+
+    def _labels(self, s: WorkerStats) -> list[str]:
+        return [self.model, s.worker, s.pool]
+
+    def _transfer_seconds(self, snapshot: list[WorkerStats]) -> Metric:
+        family = HistogramMetricFamily(
+            "tandem:kv_transfer_seconds",
+            "Duration of one request's KV transfer.",
+            labels=WORKER_LABELS,
+        )
+        for s in snapshot:
+            buckets = [
+                (str(bound), n)
+                for bound, n in zip(TRANSFER_BUCKETS, s.kv_transfer_buckets, strict=True)
+            ]
+            buckets.append(("+Inf", s.kv_transfer_count))
+            family.add_metric(self._labels(s), buckets, s.kv_transfer_seconds_sum)
+        return family
+
+    def _pool_queue_depth(self, snapshot: list[WorkerStats]) -> Metric:
+        family = GaugeMetricFamily(
+            "tandem:pool_queue_depth",
+            "Requests queued at the pool's workers, summed.",
+            labels=["model", "pool"],
+        )
+        depths: dict[str, int] = {}
+        for s in snapshot:
+            depths[s.pool] = depths.get(s.pool, 0) + s.num_waiting
+        for pool, depth in sorted(depths.items()):
+            family.add_metric([self.model, pool], float(depth))
+        return family

@@ -1,0 +1,74 @@
+"""LocalEngineClient: one colocated engine in this process, behind the `EngineClient` protocol.
+
+It wraps an `LLMEngine` stepping in `AsyncEngine`'s thread. The engine thread starts on the
+event loop that first calls `ready()` or `generate()`, and that loop must serve every later
+call (the engine delivers outputs to it).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+from coordinator.stats import WorkerStats
+from engine.async_engine import AsyncEngine
+from engine.config import EngineConfig
+from engine.engine import LLMEngine
+from engine.outputs import RequestOutput
+from engine.sampling_params import SamplingParams
+from engine.tokenizer import Tokenizer
+
+WORKER_NAME = "colocated-0"
+
+
+class LocalEngineClient:
+    def __init__(self, engine: LLMEngine, tokenizer: Tokenizer, model_name: str) -> None:
+        self.engine = engine
+        self.tokenizer = tokenizer
+        self.model_name = model_name
+        self.max_model_len = engine.max_model_len
+        self._async = AsyncEngine(engine, tokenizer)
+        self._started = False
+
+    @classmethod
+    def from_config(cls, config: EngineConfig, model_name: str | None = None) -> LocalEngineClient:
+        """Loads the model; `model_name` defaults to the model folder's name."""
+        engine = LLMEngine(config)
+        tokenizer = Tokenizer(engine.model_config.path)
+        return cls(engine, tokenizer, model_name or Path(config.model).name)
+
+    def check_request(self, prompt_ids: list[int]) -> None:
+        self.engine.check_request(prompt_ids)
+
+    def generate(
+        self, prompt_ids: list[int], params: SamplingParams, request_id: str
+    ) -> AsyncIterator[RequestOutput]:
+        self._started = True  # AsyncEngine starts its thread on the first generate
+        return self._async.generate(prompt_ids, params, request_id)
+
+    def stats(self) -> list[WorkerStats]:
+        # Read from the event loop while the engine thread mutates: list() copies the waiting
+        # deque in one step under the GIL; the counts may be a step stale, which is fine here.
+        scheduler, blocks = self.engine.scheduler, self.engine.blocks
+        waiting = list(scheduler.waiting)
+        stats = WorkerStats(
+            worker=WORKER_NAME,
+            pool="colocated",
+            num_running=len(scheduler.running),
+            num_waiting=len(waiting),
+            queued_prefill_tokens=sum(seq.num_uncomputed_tokens for seq in waiting),
+            num_free_blocks=blocks.num_free_blocks,
+            num_total_blocks=blocks.num_blocks,
+            prefix_cache_queries=blocks.prefix_queries,
+            prefix_cache_hits=blocks.prefix_hits,
+        )
+        return [stats]
+
+    async def ready(self) -> None:
+        if not self._started:
+            self._started = True
+            self._async.start()
+
+    async def shutdown(self) -> None:
+        await asyncio.to_thread(self._async.shutdown)

@@ -1,0 +1,207 @@
+"""`tandem serve`: the OpenAI-compatible HTTP endpoint in front of the engine pools.
+
+Flags map to an `EngineConfig` (per worker), `ServerSettings` (HTTP) and the cluster layout;
+`make_client` is the one place that turns them into a backend.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import re
+from pathlib import Path
+
+from coordinator.bench_cmd import _DefaultsFormatter
+from coordinator.client import EngineClient
+from engine.config import EngineConfig
+
+log = logging.getLogger(__name__)
+
+DEFAULT_HOST = "127.0.0.1"
+DEFAULT_PORT = 8000
+SIZE_UNITS = {"": 1, "k": 1e3, "m": 1e6, "g": 1e9, "ki": 2**10, "mi": 2**20, "gi": 2**30}
+
+
+def add_parser(commands: argparse._SubParsersAction) -> None:
+    p = commands.add_parser(
+        "serve",
+        help="serve a model over an OpenAI-compatible HTTP API",
+        description="Serve a model over an OpenAI-compatible HTTP API (/v1/completions, "
+        "/v1/chat/completions, /v1/models, /tokenize, /detokenize, /health, /ready, /metrics).",
+        formatter_class=_DefaultsFormatter,
+    )
+    _add_http_flags(p.add_argument_group("HTTP"))
+    _add_model_flags(p.add_argument_group("model and engine (per worker)"))
+    _add_cluster_flags(p.add_argument_group("cluster"))
+    p.set_defaults(run=run)
+
+
+def _add_http_flags(g: argparse._ArgumentGroup) -> None:
+    g.add_argument("--host", default=DEFAULT_HOST, help="address to listen on")
+    g.add_argument("--port", type=int, default=DEFAULT_PORT, help="port to listen on")
+    g.add_argument(
+        "--api-key",
+        default=os.environ.get("TANDEM_API_KEY"),
+        help="require 'Authorization: Bearer KEY' (except /health, /ready, /metrics); "
+        "default: $TANDEM_API_KEY, else no key",
+    )
+    g.add_argument(
+        "--max-queue",
+        type=int,
+        default=256,
+        help="requests admitted but without output yet; more get 503 with Retry-After",
+    )
+    g.add_argument(
+        "--shutdown-grace",
+        type=float,
+        default=30.0,
+        metavar="S",
+        help="on SIGINT/SIGTERM, seconds requests in flight get to finish",
+    )
+    g.add_argument(
+        "--log-level", default="info", choices=["debug", "info", "warning", "error"], help="logs"
+    )
+
+
+def _add_model_flags(g: argparse._ArgumentGroup) -> None:
+    g.add_argument("--model", type=Path, help="model folder (default: the fetched default model)")
+    g.add_argument("--served-model-name", help="model id clients use (default: folder name)")
+    g.add_argument(
+        "--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"], help="weights"
+    )
+    g.add_argument(
+        "--device", default="auto", choices=["auto", "cpu", "cuda"], help="auto: cuda if present"
+    )
+    g.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
+    g.add_argument(
+        "--kv-cache-memory",
+        type=parse_size,
+        default=2**30,
+        metavar="BYTES",
+        help="KV cache per worker, e.g. 512MiB or 4GiB (default: 1GiB)",
+    )
+    g.add_argument("--max-num-seqs", type=int, default=64, help="running requests per worker")
+    g.add_argument(
+        "--max-num-batched-tokens", type=int, default=2048, help="tokens per engine step"
+    )
+    g.add_argument("--max-model-len", type=int, help="context length (default: the model's)")
+    g.add_argument(
+        "--prefix-caching", action=argparse.BooleanOptionalAction, default=True, help="reuse KV"
+    )
+    g.add_argument("--seed", type=int, default=0, help="seeds unseeded sampling")
+
+
+def _add_cluster_flags(g: argparse._ArgumentGroup) -> None:
+    g.add_argument(
+        "--mode",
+        default="disaggregated",
+        choices=["disaggregated", "colocated"],
+        help="separate prefill and decode pools, or one pool doing both",
+    )
+    g.add_argument(
+        "--address", help="Ray cluster to join ('auto' on a head node; default: start one)"
+    )
+    g.add_argument("--prefill-workers", type=int, default=1, help="prefill pool size")
+    g.add_argument("--decode-workers", type=int, default=1, help="decode (or colocated) pool size")
+    g.add_argument(
+        "--local-prefill-threshold",
+        type=int,
+        default=0,
+        metavar="TOKENS",
+        help="uncached prompts up to this long are prefilled on the decode worker; 0: never",
+    )
+    g.add_argument(
+        "--kv-transport",
+        default="auto",
+        choices=["auto", "gloo", "nccl", "ucx"],
+        help="how KV moves between workers; auto: nccl on GPU, gloo on CPU",
+    )
+
+
+def parse_size(text: str) -> int:
+    """'1GiB', '512MiB', '2G', '1000000' -> bytes."""
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kKmMgG]i?)?[bB]?\s*", text)
+    if match is None:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size like 512MiB or 4GiB")
+    return int(float(match.group(1)) * SIZE_UNITS[(match.group(2) or "").lower()])
+
+
+def run(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from coordinator.api.app import create_app
+    from coordinator.api.context import ServerSettings
+    from coordinator.api.server import CANCEL_AFTER_DRAIN_S, DrainingServer
+    from coordinator.cli import CliError
+
+    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    if args.max_queue < 1:
+        raise CliError("--max-queue must be at least 1")
+    settings = ServerSettings(api_key=args.api_key, max_queue=args.max_queue)
+    app = create_app(make_client(args), settings)
+    config = uvicorn.Config(
+        app,
+        host=args.host,
+        port=args.port,
+        log_level=args.log_level,
+        lifespan="on",
+        timeout_graceful_shutdown=CANCEL_AFTER_DRAIN_S,
+    )
+    server = DrainingServer(config, app.state.tandem.admission, args.shutdown_grace)
+    server.run()
+    if not server.started:
+        raise CliError("the server did not start (see the log above)")
+    return 0
+
+
+def make_client(args: argparse.Namespace) -> EngineClient:
+    """The backend behind the HTTP app: the one place that chooses it.
+
+    Until the Ray runtime lands this is one colocated engine in this process, whatever the
+    cluster flags say."""
+    from coordinator.local_client import LocalEngineClient
+
+    if args.mode == "disaggregated" or args.address is not None:
+        log.warning(
+            "the Ray runtime is not available yet: serving one colocated engine in this "
+            "process (ignoring --mode, --address, --prefill-workers, --decode-workers, "
+            "--local-prefill-threshold, --kv-transport)"
+        )
+    return LocalEngineClient.from_config(engine_config(args), args.served_model_name)
+
+
+def engine_config(args: argparse.Namespace) -> EngineConfig:
+    """One worker's engine settings, from the flags."""
+    return EngineConfig(
+        model=model_folder(args.model),
+        dtype=args.dtype,
+        device=_device(args.device),
+        block_size=args.block_size,
+        kv_cache_memory_bytes=args.kv_cache_memory,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_model_len=args.max_model_len,
+        enable_prefix_caching=args.prefix_caching,
+        seed=args.seed,
+    )
+
+
+def model_folder(model: Path | None) -> Path:
+    from coordinator.cli import CliError
+
+    if model is None:
+        from engine.fetch import fetch_default_model
+
+        return fetch_default_model(log=lambda line: log.info("%s", line))
+    if not model.is_dir():
+        raise CliError(f"model folder {model} does not exist")
+    return model
+
+
+def _device(choice: str) -> str:
+    if choice != "auto":
+        return choice
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
