@@ -1,0 +1,55 @@
+"""--api-key: every route but health, readiness and metrics needs the bearer token, and a caller
+without it learns nothing else about its request."""
+
+from __future__ import annotations
+
+import httpx
+import openai
+import pytest
+
+from coordinator.api.context import ServerSettings
+from tests.coordinator.conftest import local_client
+
+KEY = "s3cret-key"
+COMPLETION = {"prompt": "hi", "max_tokens": 2}
+
+
+@pytest.fixture(scope="module")
+def server(serve, tiny_llama):
+    return serve(local_client(tiny_llama), ServerSettings(api_key=KEY))
+
+
+def assert_unauthorized(response: httpx.Response) -> None:
+    assert response.status_code == 401
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["type"] == "authentication_error" and error["code"] == "invalid_api_key"
+    assert response.headers["WWW-Authenticate"] == "Bearer"
+
+
+@pytest.mark.parametrize("headers", [{}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY}])
+def test_missing_or_wrong_key_is_401(server, headers) -> None:
+    with httpx.Client(base_url=server.url, headers=headers) as http:
+        assert_unauthorized(http.post("/v1/completions", json=COMPLETION))
+        assert_unauthorized(http.post("/v1/chat/completions", json={"messages": []}))
+        assert_unauthorized(http.get("/v1/models"))
+        assert_unauthorized(http.post("/tokenize", json={"prompt": "hi"}))
+        # Checked before the body is read: malformed JSON is still a 401.
+        json_type = {"content-type": "application/json"}
+        assert_unauthorized(http.post("/v1/completions", content=b"{", headers=json_type))
+
+
+def test_right_key_is_served(server) -> None:
+    headers = {"Authorization": f"Bearer {KEY}"}
+    response = httpx.post(server.url + "/v1/completions", json=COMPLETION, headers=headers)
+    assert response.status_code == 200 and response.json()["usage"]["completion_tokens"] == 2
+    api = openai.OpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0)
+    assert api.models.list().data[0].id == "tiny"
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=server.url + "/v1", api_key="nope", max_retries=0).models.list()
+
+
+def test_probes_and_metrics_need_no_key(server) -> None:
+    assert httpx.get(server.url + "/health").status_code == 200
+    assert httpx.get(server.url + "/ready").status_code == 200
+    assert httpx.get(server.url + "/metrics").status_code == 200

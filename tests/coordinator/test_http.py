@@ -1,0 +1,164 @@
+"""Raw HTTP: SSE framing, every client error's status and body shape, the tokenizer routes,
+health and readiness."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+
+from tests.coordinator.conftest import local_client
+
+ERROR_KEYS = {"message", "type", "param", "code"}
+
+
+@pytest.fixture(scope="module")
+def server(serve, tiny_llama):
+    return serve(local_client(tiny_llama))
+
+
+@pytest.fixture(scope="module")
+def http(server):
+    with httpx.Client(base_url=server.url, timeout=30) as client:
+        yield client
+
+
+def events(response: httpx.Response) -> list[str]:
+    """The stream's raw `data:` payloads, checking the framing on the way."""
+    body = response.read().decode()
+    assert body.endswith("\n\n")
+    frames = body[:-2].split("\n\n")
+    assert all(frame.startswith("data: ") and "\n" not in frame for frame in frames)
+    return [frame.removeprefix("data: ") for frame in frames]
+
+
+def assert_error(response: httpx.Response, status: int, param: str | None = None) -> dict:
+    assert response.status_code == status, response.text
+    body = response.json()
+    assert set(body) == {"error"} and set(body["error"]) == ERROR_KEYS
+    assert isinstance(body["error"]["message"], str) and body["error"]["message"]
+    if param is not None:
+        assert body["error"]["param"] == param
+    return body["error"]
+
+
+def test_completion_stream_framing(http) -> None:
+    payload = {"prompt": "The quick", "max_tokens": 5, "temperature": 0, "ignore_eos": True}
+    with http.stream("POST", "/v1/completions", json={**payload, "stream": True}) as response:
+        assert response.status_code == 200
+        assert response.headers["content-type"].startswith("text/event-stream")
+        data = events(response)
+    assert data[-1] == "[DONE]"
+    chunks = [json.loads(d) for d in data[:-1]]
+    assert all(c["object"] == "text_completion" for c in chunks)
+    assert len({c["id"] for c in chunks}) == 1
+    whole = http.post("/v1/completions", json=payload).json()
+    assert "".join(c["choices"][0]["text"] for c in chunks) == whole["choices"][0]["text"]
+    assert [c["choices"][0]["finish_reason"] for c in chunks][-1] == "length"
+    assert whole["usage"]["completion_tokens"] == 5
+
+
+def test_chat_stream_framing_with_usage(http) -> None:
+    payload = {
+        "messages": [{"role": "user", "content": [{"type": "text", "text": "hello"}]}],
+        "max_tokens": 4, "temperature": 0, "ignore_eos": True, "stream": True,
+        "stream_options": {"include_usage": True},
+    }  # fmt: skip
+    with http.stream("POST", "/v1/chat/completions", json=payload) as response:
+        data = events(response)
+    assert data[-1] == "[DONE]"
+    chunks = [json.loads(d) for d in data[:-1]]
+    assert all(c["object"] == "chat.completion.chunk" for c in chunks)
+    assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
+    assert chunks[-1]["choices"] == []
+    assert chunks[-1]["usage"]["completion_tokens"] == 4
+    assert chunks[-1]["usage"]["total_tokens"] == sum(
+        chunks[-1]["usage"][k] for k in ("prompt_tokens", "completion_tokens")
+    )
+
+
+LONG_PROMPT = list(range(3, 300)) * 2  # 594 tokens; the context holds 512
+
+BAD_REQUESTS = [
+    # (path, body, status, param)
+    ("/v1/completions", b'{"prompt": "hi", "max_tokens": ', 400, None),
+    ("/v1/completions", b"[1, 2]", 400, None),
+    ("/v1/completions", {"max_tokens": 3}, 400, "prompt"),
+    ("/v1/completions", {"prompt": ""}, 400, "prompt"),
+    ("/v1/completions", {"prompt": []}, 400, "prompt"),
+    ("/v1/completions", {"prompt": ["a", ""]}, 400, "prompt"),
+    ("/v1/completions", {"prompt": 5}, 400, "prompt"),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 600}, 400, "max_tokens"),
+    ("/v1/completions", {"prompt": LONG_PROMPT}, 400, "prompt"),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 0}, 400, "max_tokens"),
+    ("/v1/completions", {"prompt": "hi", "n": "many"}, 400, "n"),
+    ("/v1/completions", {"prompt": "hi", "n": 0}, 400, "n"),
+    ("/v1/completions", {"prompt": "hi", "temperature": -1}, 400, "temperature"),
+    ("/v1/completions", {"prompt": "hi", "top_p": 0}, 400, "top_p"),
+    ("/v1/completions", {"prompt": "hi", "presence_penalty": 3}, 400, "presence_penalty"),
+    ("/v1/completions", {"prompt": "hi", "stop": [""]}, 400, "stop"),
+    ("/v1/completions", {"prompt": "hi", "logprobs": 21}, 400, "logprobs"),
+    ("/v1/completions", {"prompt": "hi", "seed": -1}, 400, "seed"),
+    ("/v1/completions", {"prompt": "hi", "stream_options": {}}, 400, "stream_options"),
+    ("/v1/completions", {"prompt": "hi", "echo": True}, 400, "echo"),
+    ("/v1/completions", {"prompt": "hi", "suffix": "!"}, 400, "suffix"),
+    ("/v1/completions", {"prompt": "hi", "best_of": 3}, 400, "best_of"),
+    ("/v1/completions", {"prompt": "hi", "logit_bias": {"5": 1}}, 400, "logit_bias"),
+    ("/v1/completions", {"prompt": "hi", "frobnicate": 1}, 400, "frobnicate"),
+    ("/v1/completions", {"prompt": "hi", "model": "gpt-4"}, 404, "model"),
+    ("/v1/chat/completions", {"messages": []}, 400, "messages"),
+    ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "x"}]}, 400, None),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "http://x"}}]}]}, 400, "messages.0.content"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
+                              "tools": [{"type": "function"}]}, 400, "tools"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
+                              "top_logprobs": 2}, 400, "top_logprobs"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
+                              "max_completion_tokens": 600}, 400, "max_completion_tokens"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
+                              "model": "gpt-4"}, 404, "model"),
+    ("/detokenize", {"tokens": [10**9]}, 400, "tokens"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("path,body,status,param", BAD_REQUESTS)
+def test_bad_requests(http, path, body, status, param) -> None:
+    if isinstance(body, bytes):
+        response = http.post(path, content=body, headers={"content-type": "application/json"})
+    else:
+        response = http.post(path, json=body)
+    assert_error(response, status, param)
+
+
+def test_unsupported_parameter_message_says_so(http) -> None:
+    response = http.post("/v1/completions", json={"prompt": "hi", "echo": True})
+    assert "not supported" in assert_error(response, 400, "echo")["message"]
+
+
+def test_neutral_values_of_unimplemented_parameters_pass(http) -> None:
+    body = {"prompt": "hi", "max_tokens": 2, "echo": False, "logit_bias": {}, "best_of": 1,
+            "suffix": None, "user": "someone"}  # fmt: skip
+    assert http.post("/v1/completions", json=body).status_code == 200
+
+
+def test_unknown_route_and_method(http) -> None:
+    assert_error(http.get("/v2/anything"), 404)
+    assert_error(http.get("/v1/completions"), 405)
+
+
+def test_tokenize_round_trip(http) -> None:
+    tokens = http.post("/tokenize", json={"prompt": "The quick brown fox"}).json()
+    assert tokens["count"] == len(tokens["tokens"]) > 0 and tokens["max_model_len"] == 512
+    text = http.post("/detokenize", json={"tokens": tokens["tokens"]}).json()
+    assert text == {"prompt": "The quick brown fox"}
+    chat = http.post("/tokenize", json={"messages": [{"role": "user", "content": "hi"}]}).json()
+    prompt = http.post("/detokenize", json={"tokens": chat["tokens"]}).json()["prompt"]
+    assert "hi" in prompt and "assistant" in prompt
+    assert_error(http.post("/tokenize", json={}), 400)
+
+
+def test_health_and_readiness(http) -> None:
+    assert http.get("/health").json() == {"status": "ok"}
+    assert http.get("/ready").json() == {"status": "ready"}

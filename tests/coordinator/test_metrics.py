@@ -1,0 +1,86 @@
+"""/metrics parses as Prometheus text, and its counters move as requests complete."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.coordinator.conftest import LONG_NUM_KV_BLOCKS, LONG_TOKENS, local_client
+
+PROMPT = [5, 6, 7, 8, 9, 10, 11, 12, 13]  # 9 tokens: two full blocks of 4 to cache
+
+
+@pytest.fixture(scope="module")
+def server(serve, long_llama):
+    return serve(local_client(long_llama, num_kv_blocks=LONG_NUM_KV_BLOCKS))
+
+
+def scrape(url: str) -> dict[tuple[str, tuple], float]:
+    """Every sample as {(name, sorted labels): value}."""
+    response = httpx.get(url + "/metrics")
+    assert response.status_code == 200
+    assert response.headers["content-type"].startswith("text/plain")
+    samples = {}
+    for family in text_string_to_metric_families(response.text):
+        for sample in family.samples:
+            samples[(sample.name, tuple(sorted(sample.labels.items())))] = sample.value
+    return samples
+
+
+def value(samples: dict, name: str, **labels: str) -> float:
+    return samples[(name, tuple(sorted({"model": "tiny", **labels}.items())))]
+
+
+WORKER = {"worker": "colocated-0", "pool": "colocated"}
+
+
+def test_names_are_prefixed_and_labelled(server) -> None:
+    samples = scrape(server.url)
+    assert all(name.startswith("tandem:") for name, _ in samples)
+    assert value(samples, "tandem:kv_cache_usage_perc", **WORKER) == 0.0
+    assert value(samples, "tandem:num_requests_running", **WORKER) == 0.0
+    assert value(samples, "tandem:num_requests_waiting", **WORKER) == 0.0
+    assert value(samples, "tandem:pool_queue_depth", pool="colocated") == 0.0
+    assert value(samples, "tandem:admission_queue_depth") == 0.0
+    for name in ("kv_transfer_bytes_total", "kv_transfer_failures_total",
+                 "requests_prefilled_locally_total", "kv_transfer_seconds_count"):  # fmt: skip
+        assert value(samples, f"tandem:{name}", **WORKER) == 0.0
+    assert value(samples, "tandem:kv_transfer_seconds_bucket", le="+Inf", **WORKER) == 0.0
+
+
+def test_counters_move_as_requests_complete(server) -> None:
+    before = scrape(server.url)
+    body = {"prompt": PROMPT, "max_tokens": 6, "temperature": 0, "ignore_eos": True}
+    for _ in range(2):  # the second finds the first's full blocks in the prefix cache
+        assert httpx.post(server.url + "/v1/completions", json=body).status_code == 200
+    stream = httpx.post(server.url + "/v1/completions", json={**body, "stream": True})
+    assert stream.text.endswith("data: [DONE]\n\n")
+    after = scrape(server.url)
+
+    def moved(name: str, **labels: str) -> float:
+        return value(after, name, **labels) - before.get(
+            (name, tuple(sorted({"model": "tiny", **labels}.items()))), 0.0
+        )
+
+    assert moved("tandem:prompt_tokens_total") == 3 * len(PROMPT)
+    assert moved("tandem:generation_tokens_total") == 3 * 6
+    assert moved("tandem:request_success_total", finished_reason="length") == 3
+    assert moved("tandem:time_to_first_token_seconds_count") == 3
+    assert moved("tandem:e2e_request_latency_seconds_count") == 3
+    assert moved("tandem:inter_token_latency_seconds_count") == 3 * 5
+    assert moved("tandem:prefix_cache_queries_total", **WORKER) == 3 * len(PROMPT)
+    assert moved("tandem:prefix_cache_hits_total", **WORKER) == 2 * 8
+    assert value(after, "tandem:kv_cache_usage_perc", **WORKER) == 0.0
+    assert value(after, "tandem:time_to_first_token_seconds_sum") > 0
+
+
+def test_gauges_show_a_running_request(server) -> None:
+    body = {"prompt": PROMPT, "max_tokens": LONG_TOKENS, "temperature": 0, "ignore_eos": True}
+    with httpx.stream("POST", server.url + "/v1/completions", json={**body, "stream": True}) as r:
+        lines = r.iter_lines()  # kept open: closing it would close the connection
+        assert next(lines).startswith("data: ")
+        during = scrape(server.url)
+    assert value(during, "tandem:num_requests_running", **WORKER) == 1.0
+    held = value(during, "tandem:kv_cache_usage_perc", **WORKER)
+    assert 0 < held < 0.5  # a few blocks of the prompt and its first tokens

@@ -1,0 +1,91 @@
+"""Draining on SIGINT/SIGTERM: new requests get 503 while requests in flight finish (or are
+cancelled when the grace period ends); then the backend is shut down. And a request that fails
+after its stream began ends with an error chunk and [DONE]."""
+
+from __future__ import annotations
+
+import json
+import signal
+
+import httpx
+import pytest
+
+from coordinator.api.app import create_app
+from coordinator.api.server import CANCEL_AFTER_DRAIN_S, DrainingServer
+from tests.coordinator.conftest import ServerThread, local_client, wait_until
+from tests.coordinator.wrappers import FailingClient, GatedClient
+
+STREAM = {"prompt": [5, 6, 7], "max_tokens": 8, "temperature": 0, "ignore_eos": True,
+          "stream": True}  # fmt: skip
+
+
+def draining_server(client, grace_s: float) -> ServerThread:
+    app = create_app(client)
+    admission = app.state.tandem.admission
+    return ServerThread(
+        app,
+        lambda config: DrainingServer(config, admission, grace_s),
+        timeout_graceful_shutdown=CANCEL_AFTER_DRAIN_S,
+    ).start()
+
+
+def data_of(body: str) -> list[str]:
+    return [frame.removeprefix("data: ") for frame in body.split("\n\n") if frame]
+
+
+def test_drain_finishes_requests_in_flight_and_refuses_new_ones(tiny_llama) -> None:
+    client = GatedClient(local_client(tiny_llama))
+    server = draining_server(client, grace_s=30)
+    http = httpx.Client(base_url=server.url, timeout=30)
+    with http, http.stream("POST", "/v1/completions", json=STREAM) as in_flight:
+        assert in_flight.status_code == 200
+        server.server.handle_exit(signal.SIGTERM, None)
+        refused = http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2})
+        assert refused.status_code == 503
+        assert refused.json()["error"]["code"] == "shutting_down"
+        assert http.get("/ready").status_code == 503
+        assert http.get("/health").status_code == 200
+        assert server.thread.is_alive()  # still draining
+        client.gate.set()
+        frames = data_of(in_flight.read().decode())
+    assert frames[-1] == "[DONE]"
+    assert json.loads(frames[-2])["choices"][0]["finish_reason"] == "length"
+    server.thread.join(timeout=10)
+    assert not server.thread.is_alive()
+    assert client.shut_down.is_set()
+
+
+def test_grace_period_end_cancels_what_is_left(tiny_llama) -> None:
+    client = GatedClient(local_client(tiny_llama))
+    server = draining_server(client, grace_s=0.3)
+    http = httpx.Client(base_url=server.url, timeout=30)
+    with http, http.stream("POST", "/v1/completions", json=STREAM) as stuck:
+        server.server.handle_exit(signal.SIGINT, None)
+        with pytest.raises(httpx.HTTPError):  # the connection closes mid-stream
+            stuck.read()
+    server.thread.join(timeout=10)
+    assert not server.thread.is_alive() and client.shut_down.is_set()
+
+
+@pytest.fixture(scope="module")
+def failing(serve, tiny_llama):
+    return serve(FailingClient(local_client(tiny_llama), fail_after=2))
+
+
+def test_failure_mid_stream_ends_with_an_error_chunk_then_done(failing) -> None:
+    with httpx.stream("POST", failing.url + "/v1/completions", json=STREAM) as response:
+        assert response.status_code == 200
+        frames = data_of(response.read().decode())
+    assert frames[-1] == "[DONE]"
+    error = json.loads(frames[-2])["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["type"] == "service_unavailable" and "decode worker lost" in error["message"]
+    assert all("choices" in json.loads(frame) for frame in frames[:-2])
+    assert wait_until(lambda: failing.app.state.tandem.client.stats()[0].num_running == 0, 1.0)
+
+
+def test_failure_without_streaming_is_a_plain_503(failing) -> None:
+    body = {key: value for key, value in STREAM.items() if key != "stream"}
+    response = httpx.post(failing.url + "/v1/completions", json=body)
+    assert response.status_code == 503
+    assert "decode worker lost" in response.json()["error"]["message"]

@@ -1,0 +1,78 @@
+"""EngineClients that wrap the real colocated engine to make a failure or a slow backend happen
+on cue."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import AsyncIterator
+
+from coordinator.api.streams import closing
+from coordinator.local_client import LocalEngineClient
+from coordinator.stats import WorkerStats
+from engine.async_engine import EngineDeadError
+from engine.outputs import RequestOutput
+from engine.sampling_params import SamplingParams
+
+
+class WrappedClient:
+    def __init__(self, inner: LocalEngineClient) -> None:
+        self.inner = inner
+        self.model_name = inner.model_name
+        self.tokenizer = inner.tokenizer
+        self.max_model_len = inner.max_model_len
+        self.shut_down = threading.Event()
+
+    def check_request(self, prompt_ids: list[int]) -> None:
+        self.inner.check_request(prompt_ids)
+
+    def generate(
+        self, prompt_ids: list[int], params: SamplingParams, request_id: str
+    ) -> AsyncIterator[RequestOutput]:
+        return self.inner.generate(prompt_ids, params, request_id)
+
+    def stats(self) -> list[WorkerStats]:
+        return self.inner.stats()
+
+    async def ready(self) -> None:
+        await self.inner.ready()
+
+    async def shutdown(self) -> None:
+        await self.inner.shutdown()
+        self.shut_down.set()
+
+
+class GatedClient(WrappedClient):
+    """Holds every output back until `gate` is set (readiness probes pass)."""
+
+    def __init__(self, inner: LocalEngineClient) -> None:
+        super().__init__(inner)
+        self.gate = threading.Event()
+
+    async def generate(
+        self, prompt_ids: list[int], params: SamplingParams, request_id: str
+    ) -> AsyncIterator[RequestOutput]:
+        async with closing(self.inner.generate(prompt_ids, params, request_id)) as stream:
+            async for output in stream:
+                while not (self.gate.is_set() or request_id.startswith("ready-")):
+                    await asyncio.sleep(0.01)
+                yield output
+
+
+class FailingClient(WrappedClient):
+    """Every request fails as if its engine died, after `fail_after` outputs."""
+
+    def __init__(self, inner: LocalEngineClient, fail_after: int) -> None:
+        super().__init__(inner)
+        self.fail_after = fail_after
+
+    async def generate(
+        self, prompt_ids: list[int], params: SamplingParams, request_id: str
+    ) -> AsyncIterator[RequestOutput]:
+        async with closing(self.inner.generate(prompt_ids, params, request_id)) as stream:
+            count = 0
+            async for output in stream:
+                if count == self.fail_after:
+                    raise EngineDeadError("decode worker lost")
+                count += 1
+                yield output
