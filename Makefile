@@ -16,8 +16,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 serve: setup
-	$(VENV)/bin/tandem generate --chat --max-tokens 64 \
-		--prompt "Explain in two sentences why the sky is blue."
+	$(VENV)/bin/tandem serve
 
 test: setup lint
 	$(PY) -m pytest -q -m "not gpu"
