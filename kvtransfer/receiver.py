@@ -2,7 +2,7 @@
 and scatters each layer into the blocks reserved for the request.
 
     prefill P --channel(key)--> receiver thread for key
-        LayerFrame(r, l, start, n) + payload -> unpack into layer l at r's slots [start, start+n)
+        StepFrame + a payload per (layer, chunk) -> unpack into the chunk's reserved slots
         DoneFrame(r, token)                  -> Arrived(r, token, ...)   (all layers are in)
         AbortFrame(r) / channel error        -> TransferFailed(r, reason)
 
@@ -25,7 +25,7 @@ import torch
 from kernels import ops
 from kvtransfer.ticket import KVLayout
 from kvtransfer.transport import Channel, Rendezvous, TransferError, Transport
-from kvtransfer.wire import AbortFrame, DoneFrame, LayerFrame, recv_frame
+from kvtransfer.wire import AbortFrame, DoneFrame, PostedFrame, StepFrame
 
 log = logging.getLogger(__name__)
 
@@ -113,36 +113,50 @@ class KVReceiver:
     def _serve(self, prefill_id: str, key: str) -> None:
         try:
             channel = self.transport.accept(self.rendezvous.store, key, self.timeout)
+            posted = PostedFrame(channel)
             while True:
-                self._receive_one(channel)
+                posted = self._receive_one(channel, posted)
         except TransferError as err:
             log.warning("KV channel %s closed: %s", key, err)
         except Exception:  # never let a receiver die silently: its requests must fail
             log.exception("KV receiver for %s failed", key)
         self._close_key(prefill_id, key)
 
-    def _receive_one(self, channel: Channel) -> None:
-        frame = recv_frame(channel, timeout=None)
-        if isinstance(frame, LayerFrame):
-            self._receive_layer(channel, frame)
-            return
+    def _receive_one(self, channel: Channel, posted: PostedFrame) -> PostedFrame:
+        """Handles one frame; returns the receive already posted for the next one."""
+        frame = posted.read(timeout=None)
+        if isinstance(frame, StepFrame):
+            return self._receive_step(channel, frame)
         with self._lock:
             expected = self._expected.pop(frame.request_id, None)
         if expected is not None:
             self._finish(frame, expected)
+        return PostedFrame(channel)
 
-    def _receive_layer(self, channel: Channel, frame: LayerFrame) -> None:
-        kv = self.kv_caches[frame.layer][0]
-        payload = kv.new_empty((2, frame.num_tokens, *kv.shape[2:]))  # [2, n, kv_heads, head_dim]
-        channel.recv(payload, self.timeout)
+    def _receive_step(self, channel: Channel, frame: StepFrame) -> PostedFrame:
+        """Posts every payload receive of the step, then the next frame's; unpacks each layer
+        as it lands (the prefill side sends them as its layers finish)."""
+        arriving = []
+        for layer in range(frame.num_layers):
+            kv = self.kv_caches[layer][0]
+            for request_id, start, num_tokens in frame.chunks:
+                payload = kv.new_empty((2, num_tokens, *kv.shape[2:]))  # [2, n, heads, dim]
+                arriving.append((channel.recv_async(payload), payload, layer, request_id, start))
+        following = PostedFrame(channel)
+        for pending, payload, layer, request_id, start in arriving:
+            pending.wait(self.timeout)
+            self._unpack(request_id, layer, start, payload)
+        return following
+
+    def _unpack(self, request_id: str, layer: int, start: int, payload: torch.Tensor) -> None:
         # Under the lock: once forget() returns, no write lands in blocks that may be reused.
         with self._lock:
-            expected = self._expected.get(frame.request_id)
+            expected = self._expected.get(request_id)
             if expected is None:  # expired or aborted meanwhile: drop the bytes
                 return
-            offset = frame.start - expected.num_cached
-            slots = expected.slots[offset : offset + frame.num_tokens]
-            key_cache, value_cache = self.kv_caches[frame.layer]
+            offset = start - expected.num_cached
+            slots = expected.slots[offset : offset + payload.shape[1]]
+            key_cache, value_cache = self.kv_caches[layer]
             ops.unpack_kv(payload, key_cache, value_cache, slots)
         expected.first_frame = expected.first_frame or time.monotonic()
         nbytes = payload.numel() * payload.element_size()

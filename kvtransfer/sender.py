@@ -11,7 +11,7 @@ import logging
 import queue
 import threading
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import NamedTuple
@@ -19,11 +19,12 @@ from typing import NamedTuple
 import torch
 
 from kvtransfer.ticket import Ticket
-from kvtransfer.transport import Channel, TransferError, Transport
-from kvtransfer.wire import AbortFrame, DoneFrame, Frame, LayerFrame, send_frame
+from kvtransfer.transport import Channel, Pending, TransferError, Transport
+from kvtransfer.wire import AbortFrame, DoneFrame, Frame, StepFrame, encode_frame
 
 log = logging.getLogger(__name__)
 REMEMBERED_FAILURES = 10_000
+WINDOW = 8  # sends in flight at once: the wire never waits for the next post
 
 
 @dataclass
@@ -31,7 +32,7 @@ class SendRecord:
     """What one request's transfer did, for metrics and for the pipelining check."""
 
     bytes_sent: int = 0
-    started: float | None = None  # monotonic time of its first send
+    started: float | None = None  # monotonic time its first payload was posted
     finished: float | None = None
     layer_sends: list[tuple[int, float, float]] = field(default_factory=list)  # layer, start, end
 
@@ -43,10 +44,13 @@ class SendRecord:
 
 
 class _Job(NamedTuple):
+    """A frame, or a payload, or (neither) just opening the ticket's channel."""
+
     ticket: Ticket
-    frame: Frame | None  # None: only open the channel
-    payload: torch.Tensor | None
-    ready: object | None  # torch.cuda.Event recorded after the payload was packed
+    frame: Frame | None = None
+    payload: torch.Tensor | None = None  # [2, num_tokens, kv_heads, head_dim]
+    layer: int | None = None
+    ready: object | None = None  # torch.cuda.Event recorded after the payload was packed
 
 
 SendCallback = Callable[[str, SendRecord, TransferError | None], None]
@@ -64,29 +68,30 @@ class KVSender:
         self._dead_keys: set[str] = set()
         self._records: dict[str, SendRecord] = {}
         self._failed: OrderedDict[str, None] = OrderedDict()  # recent failures, bounded
+        self._inflight: deque[tuple[Pending, _Job, float, bool]] = deque()
         self._thread = threading.Thread(target=self._run, name="tandem-kv-sender", daemon=True)
         self._thread.start()
 
     def open(self, ticket: Ticket) -> None:
         """Starts opening the ticket's channel now, so the first layer does not wait for it."""
-        self._jobs.put(_Job(ticket, None, None, None))
+        self._jobs.put(_Job(ticket))
 
-    def send_layer(
-        self, ticket: Ticket, layer: int, start: int, payload: torch.Tensor, ready=None
-    ) -> None:
-        # payload: [2, num_tokens, kv_heads, head_dim]
-        frame = LayerFrame(ticket.request_id, layer, start, payload.shape[1])
-        self._jobs.put(_Job(ticket, frame, payload, ready))
+    def send_step(self, chunks: list[tuple[Ticket, int, int]], num_layers: int) -> None:
+        """Announces a step's chunks (ticket, start, num_tokens), all on one channel; their
+        payloads follow layer by layer through send_layer, in this order."""
+        entries = [(ticket.request_id, start, n) for ticket, start, n in chunks]
+        self._jobs.put(_Job(chunks[0][0], frame=StepFrame(entries, num_layers)))
+
+    def send_layer(self, ticket: Ticket, layer: int, payload: torch.Tensor, ready=None) -> None:
+        self._jobs.put(_Job(ticket, payload=payload, layer=layer, ready=ready))
 
     def send_done(self, ticket: Ticket, token_id: int, logprobs) -> None:
         top = [list(pair) for pair in logprobs.top] if logprobs is not None else None
         logprob = logprobs.logprob if logprobs is not None else None
-        self._jobs.put(
-            _Job(ticket, DoneFrame(ticket.request_id, token_id, logprob, top), None, None)
-        )
+        self._jobs.put(_Job(ticket, frame=DoneFrame(ticket.request_id, token_id, logprob, top)))
 
     def send_abort(self, ticket: Ticket, reason: str) -> None:
-        self._jobs.put(_Job(ticket, AbortFrame(ticket.request_id, reason), None, None))
+        self._jobs.put(_Job(ticket, frame=AbortFrame(ticket.request_id, reason)))
 
     def close(self) -> None:
         self._jobs.put(None)
@@ -94,38 +99,68 @@ class KVSender:
 
     def _run(self) -> None:
         while (job := self._jobs.get()) is not None:
-            request_id = job.ticket.request_id
-            if job.frame is not None and request_id in self._failed:
-                continue  # its transfer already failed; later frames would only fail again
-            try:
-                self._send(job)
-            except TransferError as err:
-                log.warning(
-                    "KV transfer of %s to %s failed: %s", request_id, job.ticket.decode_id, err
-                )
-                self._drop_channel(job.ticket.channel_key)
-                if job.frame is not None:
-                    self._fail(request_id, err)
+            self._handle(job)
+            if self._jobs.empty():  # nothing else to post: let what is in flight finish
+                self._drain(0)
+        self._drain(0)
 
-    def _send(self, job: _Job) -> None:
-        channel = self._channel(job.ticket)
-        if job.frame is None:
+    def _handle(self, job: _Job) -> None:
+        if job.ticket.request_id in self._failed and isinstance(job.frame, DoneFrame | AbortFrame):
+            return  # its failure was reported already
+        try:
+            channel = self._channel(job.ticket)
+            if job.frame is None and job.payload is None:
+                return
+            self._post(channel, job)
+        except TransferError as err:
+            self._fail_job(job, err)
             return
+        if isinstance(job.frame, DoneFrame | AbortFrame):
+            self._drain(0)
+            self._complete(job)
+
+    def _post(self, channel: Channel, job: _Job) -> None:
+        """Posts the frame (and payload) without waiting, keeping at most WINDOW in flight."""
         record = self._records.setdefault(job.ticket.request_id, SendRecord())
         start = time.monotonic()
-        record.started = record.started or start
+        if job.payload is not None:  # a transfer starts with its first bytes of KV
+            record.started = record.started or start
         if job.ready is not None:
             job.ready.synchronize()
-        send_frame(channel, job.frame, self.timeout)
+        for tensor in encode_frame(job.frame) if job.frame is not None else []:
+            self._inflight.append((channel.send_async(tensor), job, start, False))
         if job.payload is not None:
-            channel.send(job.payload, self.timeout)
-            record.bytes_sent += job.payload.numel() * job.payload.element_size()
-            record.layer_sends.append((job.frame.layer, start, time.monotonic()))
-        if isinstance(job.frame, DoneFrame | AbortFrame):
-            record.finished = time.monotonic()
-            del self._records[job.ticket.request_id]
-            error = None if isinstance(job.frame, DoneFrame) else TransferError(job.frame.reason)
-            self.on_finished(job.ticket.request_id, record, error)
+            self._inflight.append((channel.send_async(job.payload), job, start, True))
+        self._drain(WINDOW)
+
+    def _drain(self, keep: int) -> None:
+        while len(self._inflight) > keep:
+            pending, job, start, is_payload = self._inflight.popleft()
+            try:
+                pending.wait(self.timeout)
+            except TransferError as err:
+                self._fail_job(job, err)
+                continue
+            record = self._records.get(job.ticket.request_id)
+            if is_payload and record is not None:
+                record.bytes_sent += job.payload.numel() * job.payload.element_size()
+                record.layer_sends.append((job.layer, start, time.monotonic()))
+
+    def _complete(self, job: _Job) -> None:
+        request_id = job.ticket.request_id
+        record = self._records.pop(request_id, None)
+        if record is None or request_id in self._failed:
+            return
+        record.finished = time.monotonic()
+        error = None if isinstance(job.frame, DoneFrame) else TransferError(job.frame.reason)
+        self.on_finished(request_id, record, error)
+
+    def _fail_job(self, job: _Job, err: TransferError) -> None:
+        request_id = job.ticket.request_id
+        log.warning("KV transfer of %s to %s failed: %s", request_id, job.ticket.decode_id, err)
+        self._drop_channel(job.ticket.channel_key)
+        if request_id not in self._failed and not isinstance(job.frame, StepFrame):
+            self._fail(request_id, err)
 
     def _channel(self, ticket: Ticket) -> Channel:
         key = ticket.channel_key

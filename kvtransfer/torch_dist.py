@@ -22,6 +22,21 @@ def _seconds(timeout: float) -> datetime.timedelta:
     return datetime.timedelta(seconds=max(timeout, 0.001))
 
 
+class _Pending:
+    """One posted send or receive; holds its buffer until the wait."""
+
+    def __init__(self, work, buffer: torch.Tensor, copy_to: torch.Tensor | None = None) -> None:
+        self.work, self.buffer, self.copy_to = work, buffer, copy_to
+
+    def wait(self, timeout: float | None) -> None:
+        try:
+            self.work.wait(IDLE_WAIT if timeout is None else _seconds(timeout))
+        except RuntimeError as err:
+            raise TransferError(str(err).splitlines()[0]) from err
+        if self.copy_to is not None:
+            self.copy_to.copy_(self.buffer)
+
+
 class ProcessGroupChannel:
     """`device` is where the backend wants tensors (CPU for gloo, the GPU for nccl); tensors
     elsewhere (small message frames) are staged through it."""
@@ -32,21 +47,20 @@ class ProcessGroupChannel:
         self.device = device
 
     def send(self, tensor: torch.Tensor, timeout: float) -> None:
-        self._wait(self.group.send([tensor.to(self.device)], self.peer, 0), timeout)
+        self.send_async(tensor).wait(timeout)
 
     def recv(self, tensor: torch.Tensor, timeout: float | None) -> None:
-        if tensor.device == self.device:
-            self._wait(self.group.recv([tensor], self.peer, 0), timeout)
-            return
-        staged = torch.empty_like(tensor, device=self.device)
-        self._wait(self.group.recv([staged], self.peer, 0), timeout)
-        tensor.copy_(staged)
+        self.recv_async(tensor).wait(timeout)
 
-    def _wait(self, work, timeout: float | None) -> None:
-        try:
-            work.wait(IDLE_WAIT if timeout is None else _seconds(timeout))
-        except RuntimeError as err:
-            raise TransferError(str(err).splitlines()[0]) from err
+    def send_async(self, tensor: torch.Tensor) -> _Pending:
+        staged = tensor.to(self.device)
+        return _Pending(self.group.send([staged], self.peer, 0), staged)
+
+    def recv_async(self, tensor: torch.Tensor) -> _Pending:
+        if tensor.device == self.device:
+            return _Pending(self.group.recv([tensor], self.peer, 0), tensor)
+        staged = torch.empty_like(tensor, device=self.device)
+        return _Pending(self.group.recv([staged], self.peer, 0), staged, copy_to=tensor)
 
     def close(self) -> None:
         self.group = None

@@ -31,11 +31,23 @@ class Endpoint(NamedTuple):
     port: int
 
 
+class Pending(Protocol):
+    def wait(self, timeout: float | None) -> None:
+        """Returns when the operation completed; raises TransferError on failure or timeout
+        (`None`: no deadline, for an idle receiver; a dead peer still ends the wait)."""
+
+
 class Channel(Protocol):
     def send(self, tensor: torch.Tensor, timeout: float) -> None: ...
 
     def recv(self, tensor: torch.Tensor, timeout: float | None) -> None:
         """Fills `tensor`; `timeout=None` waits until data comes or the peer goes away."""
+
+    def send_async(self, tensor: torch.Tensor) -> Pending:
+        """Posts a send; `tensor` must not change until the wait returns. Posted operations
+        complete in posting order, so several may be in flight at once."""
+
+    def recv_async(self, tensor: torch.Tensor) -> Pending: ...
 
     def close(self) -> None: ...
 

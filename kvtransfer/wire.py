@@ -1,9 +1,15 @@
-"""Message framing on a channel: a fixed-size msgpack frame, then an optional KV payload.
+"""Message framing on a channel: fixed-size msgpack frames, and KV payloads a frame announces.
 
-    frame    = uint8[FRAME_BYTES]: 2-byte little-endian length, then a msgpack map
-    payload  = [2, num_tokens, kv_heads, head_dim] in the KV dtype (only after a "layer" frame)
+    frame    = uint8[FRAME_BYTES]: 2-byte little-endian length, then a msgpack list
+    payload  = [2, num_tokens, kv_heads, head_dim] in the KV dtype
 
-A map too long for one frame is sent as {"ext": n} followed by n bytes of msgpack.
+One prefill step sends, per decode worker, one StepFrame naming its chunks, then one payload
+per (layer, chunk), layer by layer as the layers finish:
+
+    Step[(A, 0, 96), (B, 40, 8)]  A.L0 B.L0  A.L1 B.L1 ...  A.L29 B.L29   Done(A)  Done(B)
+
+so the receiver can post every payload receive of the step at once, and nothing on the wire
+waits for it. A frame too long for FRAME_BYTES is sent as {"ext": n} plus n bytes of msgpack.
 """
 
 from __future__ import annotations
@@ -19,13 +25,12 @@ FRAME_BYTES = 128
 _ROOM = FRAME_BYTES - 2
 
 
-class LayerFrame(NamedTuple):
-    """Layer `layer` of tokens [start, start + num_tokens) of request `request_id` follows."""
+class StepFrame(NamedTuple):
+    """Payloads follow for tokens [start, start + num_tokens) of each chunk, every layer in
+    order, chunks in this order within a layer."""
 
-    request_id: str
-    layer: int
-    start: int
-    num_tokens: int
+    chunks: list[tuple[str, int, int]]  # (request_id, start, num_tokens)
+    num_layers: int
 
 
 class DoneFrame(NamedTuple):
@@ -44,33 +49,48 @@ class AbortFrame(NamedTuple):
     reason: str
 
 
-Frame = LayerFrame | DoneFrame | AbortFrame
-_KINDS: dict[str, type] = {"layer": LayerFrame, "done": DoneFrame, "abort": AbortFrame}
+Frame = StepFrame | DoneFrame | AbortFrame
+_KINDS: dict[str, type] = {"step": StepFrame, "done": DoneFrame, "abort": AbortFrame}
 _NAMES = {kind: name for name, kind in _KINDS.items()}
 
 
-def send_frame(channel: Channel, frame: Frame, timeout: float) -> None:
+def encode_frame(frame: Frame) -> list[torch.Tensor]:
+    """The tensors to send, in order, for one frame."""
     body = msgpack.packb([_NAMES[type(frame)], *frame])
     if len(body) <= _ROOM:
-        channel.send(_frame_tensor(body), timeout)
-        return
-    channel.send(_frame_tensor(msgpack.packb({"ext": len(body)})), timeout)
-    channel.send(torch.frombuffer(bytearray(body), dtype=torch.uint8), timeout)
+        return [_frame_tensor(body)]
+    ext = _frame_tensor(msgpack.packb({"ext": len(body)}))
+    return [ext, torch.frombuffer(bytearray(body), dtype=torch.uint8)]
+
+
+def send_frame(channel: Channel, frame: Frame, timeout: float) -> None:
+    for tensor in encode_frame(frame):
+        channel.send(tensor, timeout)
+
+
+class PostedFrame:
+    """A frame receive posted ahead of time, so it overlaps work on the previous frame."""
+
+    def __init__(self, channel: Channel) -> None:
+        self.channel = channel
+        self.raw = torch.empty(FRAME_BYTES, dtype=torch.uint8)
+        self.pending = channel.recv_async(self.raw)
+
+    def read(self, timeout: float | None) -> Frame:
+        self.pending.wait(timeout)
+        decoded: Any = msgpack.unpackb(_frame_body(self.raw))
+        if isinstance(decoded, dict):  # the real frame follows in `ext` bytes
+            extended = torch.empty(decoded["ext"], dtype=torch.uint8)
+            self.channel.recv(extended, 5.0 if timeout is None else timeout)
+            decoded = msgpack.unpackb(extended.numpy().tobytes())
+        name, *fields = decoded
+        if name not in _KINDS:
+            raise TransferError(f"unknown frame kind {name!r}")
+        return _KINDS[name](*fields)
 
 
 def recv_frame(channel: Channel, timeout: float | None) -> Frame:
-    raw = torch.empty(FRAME_BYTES, dtype=torch.uint8)
-    channel.recv(raw, timeout)
-    body = _frame_body(raw)
-    decoded: Any = msgpack.unpackb(body)
-    if isinstance(decoded, dict):  # the real frame follows in `ext` bytes
-        extended = torch.empty(decoded["ext"], dtype=torch.uint8)
-        channel.recv(extended, 5.0 if timeout is None else timeout)
-        decoded = msgpack.unpackb(extended.numpy().tobytes())
-    name, *fields = decoded
-    if name not in _KINDS:
-        raise TransferError(f"unknown frame kind {name!r}")
-    return _KINDS[name](*fields)
+    return PostedFrame(channel).read(timeout)
 
 
 def _frame_tensor(body: bytes) -> torch.Tensor:

@@ -63,9 +63,18 @@ class _Pending:
 
 class PrefillWorker:
     def __init__(
-        self, worker_id: str, config: EngineConfig, transport: Transport, transfer_timeout: float
+        self,
+        worker_id: str,
+        config: EngineConfig,
+        transport: Transport,
+        transfer_timeout: float,
+        pipeline_layers: bool = True,
     ) -> None:
+        """`pipeline_layers=False` holds every layer back until the step's forward pass ends
+        (send after prefill): the baseline that benchmarks/kv_transfer.py compares against."""
         self.worker_id = worker_id
+        self.pipeline_layers = pipeline_layers
+        self._held: list[tuple] = []
         self.engine = LLMEngine(config)
         self.layout = kv_layout(self.engine)
         self.sender = KVSender(transport, transfer_timeout, self._on_sent)
@@ -121,7 +130,11 @@ class PrefillWorker:
 
     def _step(self) -> None:
         self._step_slots.clear()
-        for update in self.engine.step(on_layer=self._send_layer):
+        updates = self.engine.step(on_layer=self._send_layer)
+        for held in self._held:
+            self.sender.send_layer(*held)
+        self._held.clear()
+        for update in updates:
             pending = self._pending.get(update.request_id)
             if pending is None:
                 continue
@@ -131,31 +144,42 @@ class PrefillWorker:
 
     def _send_layer(self, plan: StepPlan, layer: int) -> None:
         if layer == 0:
-            self._plan_slots(plan)
+            self._announce_step(plan)
         key_cache, value_cache = self.engine.runner.kv_caches[layer]
         now = time.monotonic()
-        for request_id, (start, slots) in self._step_slots.items():
+        for request_id, (_, slots) in self._step_slots.items():  # the announced order
             pending = self._pending[request_id]
             payload = ops.pack_kv(key_cache, value_cache, slots)  # [2, n, kv_heads, head_dim]
-            ready = _record_event(payload)
-            self.sender.send_layer(pending.ticket, layer, start, payload, ready)
+            job = (pending.ticket, layer, payload, _record_event(payload))
+            if self.pipeline_layers:
+                self.sender.send_layer(*job)
+            else:
+                self._held.append(job)
             pending.layers_computed.append((layer, now))
 
-    def _plan_slots(self, plan: StepPlan) -> None:
-        """Slots of the tokens each request sends this step: its chunk, plus any earlier tokens
-        found in this worker's prefix cache that the decode worker does not hold."""
-        bs = self.engine.config.block_size
-        device = self.engine.runner.device
+    def _announce_step(self, plan: StepPlan) -> None:
+        """Picks the tokens each request sends this step (its chunk, plus earlier tokens found
+        in this worker's prefix cache that its decode worker lacks) and announces them, one
+        StepFrame per decode worker, in the order their layers will follow."""
+        bs, device = self.engine.config.block_size, self.engine.runner.device
+        by_channel: dict[str, list[tuple[Ticket, int, int]]] = {}
         for chunk in plan.chunks:
             pending = self._pending.get(chunk.seq.request_id)
-            if pending is None:
+            if pending is None or pending.sent_upto >= chunk.end:
                 continue
-            start = pending.sent_upto
-            if start < chunk.end:
-                slots = slots_of(chunk.seq.block_table, start, chunk.end, bs)
-                tensor = torch.tensor(slots, dtype=torch.int64, device=device)
-                self._step_slots[chunk.seq.request_id] = (start, tensor)
-                pending.sent_upto = chunk.end
+            start, ticket = pending.sent_upto, pending.ticket
+            slots = slots_of(chunk.seq.block_table, start, chunk.end, bs)
+            by_channel.setdefault(ticket.channel_key, []).append((ticket, start, len(slots)))
+            pending.sent_upto = chunk.end
+            self._step_slots[ticket.request_id] = (
+                start, torch.tensor(slots, dtype=torch.int64, device=device)
+            )  # fmt: skip
+        ordered = {}
+        for chunks in by_channel.values():
+            self.sender.send_step(chunks, self.layout.num_layers)
+            for ticket, _, _ in chunks:
+                ordered[ticket.request_id] = self._step_slots[ticket.request_id]
+        self._step_slots = ordered
 
     def _stats(self) -> WorkerStats:
         scheduler, blocks = self.engine.scheduler, self.engine.blocks

@@ -12,7 +12,7 @@ from engine.config import EngineConfig
 from engine.llm import LLM
 from engine.requests import TokenUpdate, WorkRequest
 from engine.sampling_params import SamplingParams
-from kvtransfer.transport import make_transport
+from kvtransfer.transport import TransferError, make_transport
 from prefill.worker import PrefillResult, PrefillWorker
 from tests.engine.test_batch_invariance import mixed_prompts
 
@@ -159,17 +159,18 @@ class BreaksAfter:
         class Breaking:
             sends = 0
 
-            def send(self, tensor, timeout):
+            def send_async(self, tensor):
                 Breaking.sends += 1
                 if Breaking.sends > transport.limit:
                     channel.close()
-                    from kvtransfer.transport import TransferError
-
                     raise TransferError("injected: link down")
-                channel.send(tensor, timeout)
+                return channel.send_async(tensor)
 
-            def recv(self, tensor, timeout):
-                channel.recv(tensor, timeout)
+            def send(self, tensor, timeout):
+                self.send_async(tensor).wait(timeout)
+
+            def recv_async(self, tensor):
+                return channel.recv_async(tensor)
 
             def close(self):
                 channel.close()
