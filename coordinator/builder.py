@@ -21,7 +21,7 @@ import ray
 
 from coordinator.coordinator import Coordinator, CoordinatorConfig
 from decode.actor import DecodeActor
-from engine.config import EngineConfig, ModelConfig
+from engine.config import ConfigError, EngineConfig, ModelConfig
 from engine.tokenizer import Tokenizer
 from prefill.actor import PrefillActor
 
@@ -43,9 +43,9 @@ class DeployConfig:
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
-            raise ValueError(f"mode must be one of {', '.join(MODES)}, not {self.mode!r}")
+            raise ConfigError(f"mode must be one of {', '.join(MODES)}, not {self.mode!r}")
         if self.num_decode < 1 or self.num_prefill < (self.mode == "disaggregated"):
-            raise ValueError("disaggregated mode needs at least one prefill and one decode worker")
+            raise ConfigError("disaggregated mode needs at least one prefill and one decode worker")
 
 
 def connect_ray(address: str | None, num_cpus: int | None = None) -> None:

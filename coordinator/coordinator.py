@@ -20,6 +20,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
+import ray
 from ray.exceptions import RayActorError
 
 from coordinator.request_state import TrackedRequest
@@ -89,10 +90,14 @@ class Coordinator:
         await self._refresh_once()
 
     async def shutdown(self) -> None:
+        """Fails what is still in flight and stops every worker actor."""
         for task in self._tasks:
             task.cancel()
         for request in list(self._requests.values()):
             request.fail(EngineDeadError("the server is shutting down"))
+        for worker in (*self.prefill.values(), *self.decode.values()):
+            with contextlib.suppress(Exception):
+                ray.kill(worker)
 
     def check_request(self, prompt_ids: list[int]) -> None:
         if not prompt_ids:

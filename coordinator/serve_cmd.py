@@ -156,19 +156,24 @@ def run(args: argparse.Namespace) -> int:
 
 
 def make_client(args: argparse.Namespace) -> EngineClient:
-    """The backend behind the HTTP app: the one place that chooses it.
+    """The backend behind the HTTP app: prefill/decode pools (or colocated workers) on Ray."""
+    from coordinator.builder import DeployConfig, build_client
 
-    Until the Ray runtime lands this is one colocated engine in this process, whatever the
-    cluster flags say."""
-    from coordinator.local_client import LocalEngineClient
-
-    if args.mode == "disaggregated" or args.address is not None:
-        log.warning(
-            "the Ray runtime is not available yet: serving one colocated engine in this "
-            "process (ignoring --mode, --address, --prefill-workers, --decode-workers, "
-            "--local-prefill-threshold, --kv-transport)"
-        )
-    return LocalEngineClient.from_config(engine_config(args), args.served_model_name)
+    deploy = DeployConfig(
+        mode=args.mode,
+        num_prefill=args.prefill_workers,
+        num_decode=args.decode_workers,
+        address=args.address,
+        kv_transport=args.kv_transport,
+        local_prefill_threshold=args.local_prefill_threshold,
+        model_name=args.served_model_name,
+    )
+    log.info(
+        "starting %s workers (%d prefill, %d decode), KV transport %s, Ray %s",
+        deploy.mode, deploy.num_prefill, deploy.num_decode, deploy.kv_transport,
+        deploy.address or "local",
+    )  # fmt: skip
+    return build_client(engine_config(args), deploy)
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
