@@ -12,9 +12,11 @@ from engine.config import ModelConfig
 from engine.llm import LLM
 from engine.sampling_params import SamplingParams
 from tests.engine.test_batch_invariance import mixed_prompts
+from tests.engine.test_model_parity import hf_greedy
 from tests.support.loop import collect
 
-GREEDY = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
+# min_tokens masks EOS exactly as transformers' min_new_tokens does.
+GREEDY = SamplingParams(max_tokens=10, min_tokens=10, temperature=0)
 
 
 @pytest.fixture(scope="module")
@@ -25,8 +27,12 @@ def prompts(tiny_llama) -> list[list[int]]:
 
 @pytest.fixture(scope="module")
 def expected(tiny_llama, prompts) -> list[list[int]]:
+    """Colocated tandem's greedy tokens, checked here against transformers' for the same
+    prompts, so every pool compared with them is compared with both."""
     llm = LLM(tiny_llama, dtype="float32", block_size=4)
-    return [out.token_ids for out in llm.generate_ids(prompts, GREEDY)]
+    colocated = [out.token_ids for out in llm.generate_ids(prompts, GREEDY)]
+    assert colocated == [hf_greedy(tiny_llama, p, GREEDY.max_tokens) for p in prompts]
+    return colocated
 
 
 def run_all(loop, client, prompts, params=GREEDY, tag="r") -> list[list[int]]:
