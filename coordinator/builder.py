@@ -36,7 +36,7 @@ class DeployConfig:
     num_decode: int = 1
     address: str | None = None  # Ray cluster to join; None starts a local one
     kv_transport: str = "auto"  # auto | gloo | nccl | ucx
-    transfer_timeout: float = 30.0  # seconds a reservation waits for its KV
+    transfer_timeout: float = 60.0  # seconds a reservation waits for its KV (a lease)
     local_prefill_threshold: int = 0  # tokens; shorter uncached prompts prefill on decode
     threads_per_worker: int | None = None  # CPU only; default: cores / workers
     model_name: str | None = None  # served id; default: the model folder's name

@@ -3,8 +3,8 @@
 Decode worker: fewest running requests, then most free KV blocks, then the longest prefix of the
 prompt it has seen before (its prefix cache likely still holds it). Prefill worker: fewest queued
 prompt tokens (in coarse buckets, so near-equal loads count as equal), then prefix overlap.
-A prompt whose part the chosen decode worker does not already hold is shorter than
-`local_prefill_threshold` tokens is prefilled on that decode worker (0: never).
+A prompt with fewer than `local_prefill_threshold` tokens that the chosen decode worker does not
+already hold is prefilled on that decode worker (0: never).
 """
 
 from __future__ import annotations

@@ -11,10 +11,14 @@ import logging
 import os
 import re
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from coordinator.bench_cmd import _DefaultsFormatter
 from coordinator.client import EngineClient
 from engine.config import EngineConfig
+
+if TYPE_CHECKING:
+    from coordinator.builder import DeployConfig
 
 log = logging.getLogger(__name__)
 
@@ -109,13 +113,20 @@ def _add_cluster_flags(g: argparse._ArgumentGroup) -> None:
         type=int,
         default=0,
         metavar="TOKENS",
-        help="uncached prompts up to this long are prefilled on the decode worker; 0: never",
+        help="prompts with fewer uncached tokens are prefilled on the decode worker; 0: never",
     )
     g.add_argument(
         "--kv-transport",
         default="auto",
         choices=["auto", "gloo", "nccl", "ucx"],
         help="how KV moves between workers; auto: nccl on GPU, gloo on CPU",
+    )
+    g.add_argument(
+        "--kv-transfer-timeout",
+        type=float,
+        default=60.0,
+        metavar="SECONDS",
+        help="how long a decode worker holds blocks reserved for KV that has not arrived",
     )
 
 
@@ -157,23 +168,31 @@ def run(args: argparse.Namespace) -> int:
 
 def make_client(args: argparse.Namespace) -> EngineClient:
     """The backend behind the HTTP app: prefill/decode pools (or colocated workers) on Ray."""
-    from coordinator.builder import DeployConfig, build_client
+    from coordinator.builder import build_client
 
-    deploy = DeployConfig(
-        mode=args.mode,
-        num_prefill=args.prefill_workers,
-        num_decode=args.decode_workers,
-        address=args.address,
-        kv_transport=args.kv_transport,
-        local_prefill_threshold=args.local_prefill_threshold,
-        model_name=args.served_model_name,
-    )
+    deploy = deploy_config(args)
     log.info(
         "starting %s workers (%d prefill, %d decode), KV transport %s, Ray %s",
         deploy.mode, deploy.num_prefill, deploy.num_decode, deploy.kv_transport,
         deploy.address or "local",
     )  # fmt: skip
     return build_client(engine_config(args), deploy)
+
+
+def deploy_config(args: argparse.Namespace) -> DeployConfig:
+    """Where the workers run and how they talk, from the flags."""
+    from coordinator.builder import DeployConfig
+
+    return DeployConfig(
+        mode=args.mode,
+        num_prefill=args.prefill_workers,
+        num_decode=args.decode_workers,
+        address=args.address,
+        kv_transport=args.kv_transport,
+        transfer_timeout=args.kv_transfer_timeout,
+        local_prefill_threshold=args.local_prefill_threshold,
+        model_name=args.served_model_name,
+    )
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:

@@ -97,6 +97,9 @@ class DecodeWorker:
     # -- engine thread ---------------------------------------------------------------------
 
     def _reserve(self, request: WorkRequest, prefill_id: str) -> Ticket | None:
+        scheduler = self.engine.scheduler
+        if len(scheduler.running) + len(self._leases) >= scheduler.config.max_num_seqs:
+            return None  # the decode batch is full; the coordinator waits or goes elsewhere
         reservation = self.engine.reserve(
             request.request_id, request.prompt_ids, request.params, request.output_ids
         )

@@ -14,8 +14,7 @@ import httpx
 import pytest
 
 from coordinator.cli import build_parser
-from coordinator.local_client import LocalEngineClient
-from coordinator.serve_cmd import make_client, parse_size
+from coordinator.serve_cmd import deploy_config, engine_config, parse_size
 
 FLAGS = [
     "--model", "--served-model-name", "--host", "--port", "--address", "--mode",
@@ -65,18 +64,22 @@ def test_bad_size_is_a_usage_error(capsys) -> None:
     assert "512MiB" in capsys.readouterr().err
 
 
-def test_make_client_applies_the_engine_flags(tiny_llama) -> None:
+def test_flags_become_the_engine_and_deploy_configs(tiny_llama) -> None:
     args = serve_args(
         "--model", str(tiny_llama), "--served-model-name", "mine", "--dtype", "float32",
         "--block-size", "8", "--kv-cache-memory", "1MiB", "--max-num-seqs", "3",
         "--max-model-len", "256", "--no-prefix-caching", "--mode", "colocated",
+        "--prefill-workers", "2", "--decode-workers", "3", "--kv-transport", "gloo",
+        "--kv-transfer-timeout", "9", "--local-prefill-threshold", "64",
     )  # fmt: skip
-    client = make_client(args)
-    assert isinstance(client, LocalEngineClient)
-    assert client.model_name == "mine" and client.max_model_len == 256
-    config = client.engine.config
+    config = engine_config(args)
     assert (config.block_size, config.max_num_seqs, config.dtype) == (8, 3, "float32")
     assert config.kv_cache_memory_bytes == 2**20 and not config.enable_prefix_caching
+    assert config.max_model_len == 256
+    deploy = deploy_config(args)
+    assert (deploy.mode, deploy.num_prefill, deploy.num_decode) == ("colocated", 2, 3)
+    assert (deploy.kv_transport, deploy.transfer_timeout) == ("gloo", 9.0)
+    assert (deploy.local_prefill_threshold, deploy.model_name) == (64, "mine")
 
 
 def free_port() -> int:
