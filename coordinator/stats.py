@@ -33,6 +33,7 @@ class WorkerStats:
     kv_transfer_seconds_sum: float = 0.0
     kv_transfer_buckets: tuple[int, ...] = (0,) * len(TRANSFER_BUCKETS)  # cumulative counts
     requests_prefilled_locally: int = 0
+    kv_transport: str = ""  # gloo | nccl | ucx; empty where nothing moves
 
     @property
     def kv_cache_usage(self) -> float:

@@ -39,6 +39,7 @@ class DecodeWorker:
         host: str = "127.0.0.1",
     ) -> None:
         self.worker_id = worker_id
+        self.transport_name = transport.name
         self.engine = LLMEngine(config)
         self.transfer_timeout = transfer_timeout
         self.layout = kv_layout(self.engine)
@@ -191,6 +192,7 @@ class DecodeWorker:
             kv_transfer_count=len(seconds),
             kv_transfer_seconds_sum=sum(seconds),
             kv_transfer_buckets=bucket_counts(seconds),
+            kv_transport=self.transport_name,
             requests_prefilled_locally=self.prefilled_locally,
         )
 

@@ -73,6 +73,7 @@ class PrefillWorker:
         """`pipeline_layers=False` holds every layer back until the step's forward pass ends
         (send after prefill): the baseline that benchmarks/kv_transfer.py compares against."""
         self.worker_id = worker_id
+        self.transport_name = transport.name
         self.pipeline_layers = pipeline_layers
         self._held: list[tuple] = []
         self.engine = LLMEngine(config)
@@ -201,6 +202,7 @@ class PrefillWorker:
             kv_transfer_count=len(seconds),
             kv_transfer_seconds_sum=sum(seconds),
             kv_transfer_buckets=bucket_counts(seconds),
+            kv_transport=self.transport_name,
         )
 
     def _crashed(self, err: BaseException) -> None:

@@ -63,6 +63,7 @@ class WorkerStatsCollector(Collector):
             yield family
         yield self._transfer_seconds(snapshot)
         yield self._pool_queue_depth(snapshot)
+        yield self._transport(snapshot)
 
     def _labels(self, s: WorkerStats) -> list[str]:
         return [self.model, s.worker, s.pool]
@@ -80,6 +81,17 @@ class WorkerStatsCollector(Collector):
             ]
             buckets.append(("+Inf", s.kv_transfer_count))
             family.add_metric(self._labels(s), buckets, s.kv_transfer_seconds_sum)
+        return family
+
+    def _transport(self, snapshot: list[WorkerStats]) -> Metric:
+        family = GaugeMetricFamily(
+            "tandem:kv_transport_info",
+            "The KV transport each worker uses (value always 1).",
+            labels=[*WORKER_LABELS, "transport"],
+        )
+        for s in snapshot:
+            if s.kv_transport:
+                family.add_metric([*self._labels(s), s.kv_transport], 1.0)
         return family
 
     def _pool_queue_depth(self, snapshot: list[WorkerStats]) -> Metric:

@@ -71,3 +71,11 @@ def test_metrics_count_the_kv_moved(server, offline) -> None:
     # Three requests of the same prompt; the decode worker's prefix cache holds its full blocks
     # after the first, so later requests move only the tokens past them.
     assert moved["prefill"] == moved["decode"] >= prompt_tokens * per_token
+    text = httpx.get(server.url + "/metrics", timeout=10).text
+    transports = {
+        sample.labels["worker"]: sample.labels["transport"]
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if sample.name == "tandem:kv_transport_info"
+    }
+    assert transports == {"prefill-0": "gloo", "decode-0": "gloo"}
