@@ -37,6 +37,7 @@ from prefill.worker import PrefillResult
 log = logging.getLogger(__name__)
 MAX_ATTEMPTS = 4
 POLL_SECONDS = 1.0
+MAX_POLL_FAILURES = 3
 STATS_SECONDS = 1.0
 
 
@@ -230,17 +231,18 @@ class Coordinator:
 
     async def _poll(self, decode_id: str) -> None:
         worker = self.decode[decode_id]
-        while True:
+        failures = 0  # in a row; a worker that keeps failing its polls is as good as dead
+        while self.router.is_alive(decode_id):
             try:
                 updates = await self._call(worker.updates, POLL_SECONDS)
             except asyncio.CancelledError:
                 raise
             except Exception as err:
-                self._note_failure(decode_id, err)
-                if not self.router.is_alive(decode_id):
-                    return
+                failures += 1
+                self._note_failure(decode_id, err, fatal=failures >= MAX_POLL_FAILURES)
                 await asyncio.sleep(POLL_SECONDS)
                 continue
+            failures = 0
             for update in updates:
                 self._dispatch(decode_id, update)
 
@@ -252,11 +254,13 @@ class Coordinator:
             worker = self.decode[decode_id]
             asyncio.create_task(self._call(worker.abort, update.request_id, timeout=5.0))
 
-    def _note_failure(self, worker_id: str, err: Exception) -> None:
-        """A dead actor leaves its pool; its requests are placed again."""
-        if not isinstance(err, RayActorError) or not self.router.is_alive(worker_id):
+    def _note_failure(self, worker_id: str, err: Exception, fatal: bool = False) -> None:
+        """A dead actor (or, with `fatal`, a failing one) leaves its pool for good; its
+        requests are placed again."""
+        dead = fatal or isinstance(err, RayActorError)
+        if not dead or not self.router.is_alive(worker_id):
             return
-        log.error("worker %s died: %s", worker_id, err)
+        log.error("worker %s is out of service: %s", worker_id, _brief(err))
         self.router.mark_dead(worker_id)
         self._stats.pop(worker_id, None)
         for request in list(self._requests.values()):
