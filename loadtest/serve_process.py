@@ -1,0 +1,99 @@
+"""A `tandem serve` child process for tests and benchmarks: started in a session of its own, so
+the server, its Ray cluster and its workers form one process group that can be killed whole;
+ready when `/health` answers (the app takes requests only once its workers are up)."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from types import TracebackType
+
+import httpx
+
+HOST = "127.0.0.1"
+POLL_S = 0.25
+
+
+class ServeError(Exception):
+    """The server exited or stayed silent while starting."""
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind((HOST, 0))
+        return sock.getsockname()[1]
+
+
+class ServeProcess:
+    """`tandem serve ARGS --host 127.0.0.1 --port PORT`, its output in `log_path`.
+
+    Use it as a context manager: leaving the block kills the whole process group if the server
+    is still running, whatever happened inside."""
+
+    def __init__(self, args: Sequence[str], log_path: Path, port: int | None = None) -> None:
+        self.port = port or free_port()
+        self.url = f"http://{HOST}:{self.port}"
+        self.log_path = log_path
+        command = [sys.executable, "-m", "coordinator.cli", "serve", *args]
+        command += ["--host", HOST, "--port", str(self.port)]
+        env = {**os.environ, "RAY_AUTH_MODE": "disabled"}
+        with open(log_path, "wb") as log:
+            self.process = subprocess.Popen(
+                command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
+            )
+
+    def wait_healthy(self, timeout_s: float) -> None:
+        """Returns once GET /health answers 200; ServeError when the process exits first or
+        `timeout_s` passes."""
+        deadline = time.monotonic() + timeout_s
+        while not self._healthy():
+            if self.process.poll() is not None:
+                raise ServeError(f"tandem serve exited with {self.process.returncode}: {self.log}")
+            if time.monotonic() > deadline:
+                raise ServeError(f"tandem serve not healthy after {timeout_s:g} s: {self.log}")
+            time.sleep(POLL_S)
+
+    def stop(self, timeout_s: float) -> int | None:
+        """SIGINT (drain, then a clean exit); the exit status, or None if still running after
+        `timeout_s` (the context manager's exit then kills it)."""
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGINT)
+        try:
+            return self.process.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            return None
+
+    def kill(self) -> None:
+        """SIGKILL to the whole group: the server and the Ray processes it started."""
+        with contextlib.suppress(ProcessLookupError):  # the group is gone already
+            os.killpg(self.process.pid, signal.SIGKILL)
+        self.process.wait()
+
+    @property
+    def log(self) -> str:
+        """The server's output so far (its last 4000 characters)."""
+        return self.log_path.read_text(encoding="utf-8", errors="replace")[-4000:]
+
+    def _healthy(self) -> bool:
+        try:
+            return httpx.get(self.url + "/health", timeout=1, trust_env=False).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    def __enter__(self) -> ServeProcess:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        self.kill()
