@@ -14,11 +14,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from coordinator.bench_cmd import _DefaultsFormatter
-from coordinator.client import EngineClient
-from engine.config import EngineConfig
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # the CLI imports this module; torch and Ray load only when serving
     from coordinator.builder import DeployConfig
+    from coordinator.client import EngineClient
+    from engine.config import EngineConfig
 
 log = logging.getLogger(__name__)
 
@@ -197,6 +197,8 @@ def deploy_config(args: argparse.Namespace) -> DeployConfig:
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
     """One worker's engine settings, from the flags."""
+    from engine.config import EngineConfig
+
     return EngineConfig(
         model=model_folder(args.model),
         dtype=args.dtype,
