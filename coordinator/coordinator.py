@@ -27,7 +27,7 @@ from coordinator.request_state import TrackedRequest
 from coordinator.router import NoWorkerError, Route, Router
 from coordinator.stats import WorkerStats
 from engine.async_engine import EngineDeadError
-from engine.engine import RequestError
+from engine.engine import check_prompt
 from engine.outputs import RequestOutput
 from engine.requests import TokenUpdate, WorkRequest
 from engine.sampling_params import SamplingParams
@@ -101,15 +101,7 @@ class Coordinator:
                 ray.kill(worker)
 
     def check_request(self, prompt_ids: list[int]) -> None:
-        if not prompt_ids:
-            raise RequestError("the prompt is empty")
-        if len(prompt_ids) >= self.max_model_len:
-            raise RequestError(
-                f"the prompt has {len(prompt_ids)} tokens; this server serves at most "
-                f"{self.max_model_len} tokens of context, prompt and output together"
-            )
-        if any(not 0 <= t < self.vocab_size for t in prompt_ids):
-            raise RequestError(f"prompt token ids must be in [0, {self.vocab_size})")
+        check_prompt(prompt_ids, self.max_model_len, self.vocab_size)
 
     def stats(self) -> list[WorkerStats]:
         return list(self._stats.values())

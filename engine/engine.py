@@ -32,6 +32,19 @@ class RequestError(ValueError):
     """A request this engine cannot take (too long, duplicate id, empty prompt)."""
 
 
+def check_prompt(prompt_ids: list[int], max_model_len: int, vocab_size: int) -> None:
+    """Raises RequestError for a prompt that is empty, too long or holds unknown token ids."""
+    if not prompt_ids:
+        raise RequestError("the prompt is empty")
+    if len(prompt_ids) >= max_model_len:
+        raise RequestError(
+            f"the prompt has {len(prompt_ids)} tokens; this server serves at most "
+            f"{max_model_len} tokens of context, prompt and output together"
+        )
+    if any(not 0 <= t < vocab_size for t in prompt_ids):
+        raise RequestError(f"prompt token ids must be in [0, {vocab_size})")
+
+
 class Reservation(NamedTuple):
     block_table: tuple[int, ...]  # covers every token of the request
     num_cached_tokens: int  # leading tokens whose KV this engine already holds
@@ -157,16 +170,7 @@ class LLMEngine:
     def check_request(self, prompt_ids: list[int]) -> None:
         """Raises RequestError for a prompt this engine cannot serve. Reads only fixed facts, so
         any thread may call it."""
-        if not prompt_ids:
-            raise RequestError("the prompt is empty")
-        if len(prompt_ids) >= self.max_model_len:
-            raise RequestError(
-                f"the prompt has {len(prompt_ids)} tokens; this engine serves at most "
-                f"{self.max_model_len} tokens of context, prompt and output together"
-            )
-        vocab = self.model_config.vocab_size
-        if any(not 0 <= t < vocab for t in prompt_ids):
-            raise RequestError(f"prompt token ids must be in [0, {vocab})")
+        check_prompt(prompt_ids, self.max_model_len, self.model_config.vocab_size)
 
     def abort(self, request_id: str) -> bool:
         """Stops a request and frees its blocks; False if it is unknown or already finished."""
