@@ -10,6 +10,8 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
 
+import torch
+
 log = logging.getLogger(__name__)
 IDLE_WAIT_SECONDS = 0.05
 
@@ -25,6 +27,9 @@ class EngineThread:
     ) -> None:
         """`housekeeping()` runs every loop turn, at least every IDLE_WAIT_SECONDS."""
         self._housekeeping = housekeeping
+        # OpenMP thread counts are per thread: carry the creator's over, or a fresh thread
+        # would use every core whatever the worker was given.
+        self._num_threads = torch.get_num_threads()
         self._step = step
         self._has_work = has_work
         self._on_crash = on_crash
@@ -48,6 +53,7 @@ class EngineThread:
         self._thread.join(timeout)
 
     def _run(self) -> None:
+        torch.set_num_threads(self._num_threads)
         try:
             while not self._stop.is_set():
                 self._run_calls(block=not self._has_work())

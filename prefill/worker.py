@@ -40,6 +40,7 @@ class PrefillResult(NamedTuple):
     num_cached_tokens: int  # prompt tokens this worker found in its own prefix cache
     bytes_sent: int
     transfer_seconds: float  # first layer sent to done frame sent
+    exposed_seconds: float  # of that, what came after the prefill step ended (TTFT pays it)
     layers_computed: list[tuple[int, float]]  # (layer, monotonic time its KV was packed)
     layers_sent: list[tuple[int, float, float]]  # (layer, send start, send end)
 
@@ -58,7 +59,8 @@ class _Pending:
         self.ticket = ticket
         self.layers_computed: list[tuple[int, float]] = []
         self.sent_upto = ticket.num_cached_tokens  # tokens before this are sent or not needed
-        self.sampled: tuple[int, TokenLogprobs | None, int] | None = None
+        # token, its logprobs, prompt tokens cached here, monotonic time its step ended
+        self.sampled: tuple[int, TokenLogprobs | None, int, float] | None = None
 
 
 class PrefillWorker:
@@ -140,7 +142,7 @@ class PrefillWorker:
             if pending is None:
                 continue
             token, logprobs = update.new_token_ids[0], update.new_logprobs[0]
-            pending.sampled = (token, logprobs, update.num_cached_tokens)
+            pending.sampled = (token, logprobs, update.num_cached_tokens, time.monotonic())
             self.sender.send_done(pending.ticket, token, logprobs)
 
     def _send_layer(self, plan: StepPlan, layer: int) -> None:
@@ -223,7 +225,7 @@ class PrefillWorker:
         if pending is None or pending.sampled is None:
             return
         self._pending.pop(request_id, None)
-        token, logprobs, num_cached = pending.sampled
+        token, logprobs, num_cached, step_end = pending.sampled
         result = PrefillResult(
             request_id,
             token,
@@ -231,6 +233,7 @@ class PrefillWorker:
             num_cached,
             record.bytes_sent,
             record.seconds,
+            max(0.0, record.finished - step_end),
             pending.layers_computed,
             record.layer_sends,
         )
