@@ -1,0 +1,287 @@
+"""UCX channels (ucxx): shared memory, TCP, InfiniBand or CUDA IPC, whichever UCX selects.
+
+A channel is one UCX endpoint each way plus a lifeline: a plain TCP connection that carries the
+handshake and then nothing, so that its end says the peer process is gone on every transport.
+
+    accept (decode side, hosts the store)         connect (prefill side)
+    listen for the lifeline
+    store[key/ucx] = {address, port, tag}  ---->  read store[key/ucx], endpoint to `address`
+    accept the lifeline                    <----  dial it, send this worker's address
+    endpoint to the prefill's address      ---->  "ready": both ends are up
+
+Message n on a channel is a tagged message with tag `channel tag << 32 | n`: the n-th receive
+matches exactly the n-th send, so order holds whatever the transport. Channel tags come from the
+accepting worker, where receives are matched.
+
+UCX's own dead-peer detection (error handling mode "peer") rules out its shared-memory transports,
+so it is on unless every transport in UCX_TLS is on-host (`sm`, `cma`, `cuda_ipc`...); there the
+lifeline alone finds a dead peer, as it does on every transport.
+
+Transports: `ucx` takes UCX_TLS from the environment (UCX's default: all). `ucx-shm` and `ucx-tcp`
+pin shared memory or TCP (the tests and the benchmark run both).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import os
+import socket
+import struct
+import time
+
+import msgpack
+import torch
+from torch.distributed import TCPStore
+
+from kvtransfer.transport import Endpoint, TransferError, register
+from kvtransfer.ucx_worker import GRACE, UcxWorker
+
+ON_HOST = frozenset(
+    {"self", "sm", "shm", "posix", "sysv", "cma", "knem", "xpmem", "cuda_copy", "cuda_ipc"}
+)
+SHM_TLS = "sm,self"
+TCP_TLS = "tcp,self"
+SEQ_MASK = (1 << 32) - 1
+
+
+class UcxPending:
+    """One posted send or receive. Holds its buffer until UCX is done with it; a receive into a
+    non-contiguous tensor lands in `staged` and is copied over by the wait."""
+
+    def __init__(self, channel: UcxChannel, request, buffer, staged, copy_to) -> None:
+        self.channel, self.request, self.buffer = channel, request, buffer
+        self.staged: torch.Tensor = staged
+        self.copy_to: torch.Tensor | None = copy_to
+
+    def wait(self, timeout: float | None) -> None:
+        channel = self.channel
+        try:
+            channel.worker.wait(self.request, self.buffer, timeout, channel)
+        except TransferError as err:
+            channel.error = channel.error or str(err)
+            raise
+        if self.copy_to is not None:
+            self.copy_to.copy_(self.staged)
+            self.copy_to = None
+
+
+class UcxChannel:
+    """One thread at a time posts on a channel: the tag sequence is the posting order."""
+
+    def __init__(self, worker: UcxWorker, endpoint, lifeline: socket.socket, tag: int, key: str):
+        self.worker = worker
+        self.endpoint = endpoint
+        self.lifeline = lifeline
+        self.lifeline_fd = lifeline.fileno()
+        self.key = key
+        self.hung_up_at: float | None = None  # set by whichever thread drives the worker
+        self.error: str | None = None
+        self._tag = tag << 32
+        self._seq = 0
+        worker.watch(self)
+
+    def send(self, tensor: torch.Tensor, timeout: float) -> None:
+        self.send_async(tensor).wait(timeout)
+
+    def recv(self, tensor: torch.Tensor, timeout: float | None) -> None:
+        self.recv_async(tensor).wait(timeout)
+
+    def send_async(self, tensor: torch.Tensor) -> UcxPending:
+        return self._post(self.endpoint.tag_send, tensor.contiguous(), None)
+
+    def recv_async(self, tensor: torch.Tensor) -> UcxPending:
+        if tensor.is_contiguous():
+            return self._post(self.endpoint.tag_recv, tensor, None)
+        staged = torch.empty_like(tensor, memory_format=torch.contiguous_format)
+        return self._post(self.endpoint.tag_recv, staged, tensor)
+
+    def failure(self, now: float) -> str | None:
+        if self.error is not None:
+            return self.error
+        if self.hung_up_at is not None and now >= self.hung_up_at + GRACE:
+            return f"peer of channel {self.key!r} went away"
+        return None
+
+    def close(self) -> None:
+        """Fails any call still waiting on the channel; flushes what was sent, then hangs up."""
+        if self.endpoint is None:
+            return
+        self.worker.unwatch(self)
+        healthy = self.error is None
+        self.error = self.error or "channel closed"
+        self.worker.hang_up(self)
+        if healthy:
+            with contextlib.suppress(TransferError):  # flush what this side sent
+                self.worker.wait(self.endpoint.close(), None, 1.0, None)
+        self.lifeline.close()
+        self.endpoint = None
+
+    def _post(self, post, tensor: torch.Tensor, copy_to: torch.Tensor | None) -> UcxPending:
+        reason = self.failure(time.monotonic())
+        if reason is not None:
+            raise TransferError(f"channel {self.key!r} is broken: {reason}")
+        if tensor.is_cuda:  # UCX copies on its own stream: pending writes must land first
+            torch.cuda.current_stream(tensor.device).synchronize()
+        flat = tensor.reshape(-1).view(torch.uint8)  # a view: the tensor is contiguous
+        buffer = self.worker.Array(flat if flat.is_cuda else flat.numpy())
+        tag = self.worker.ucx.UCXXTag(self._tag | self._seq)
+        self._seq = (self._seq + 1) & SEQ_MASK
+        try:
+            request = post(buffer, tag)
+        except self.worker.ucx.UCXError as err:
+            self.error = f"UCX: {err}"
+            raise TransferError(self.error) from err
+        self.worker.track(request, buffer)
+        return UcxPending(self, request, buffer, tensor, copy_to)
+
+
+class UcxTransport:
+    def __init__(
+        self,
+        device: torch.device,
+        name: str = "ucx",
+        tls: str | None = None,
+        peer_error_handling: bool | None = None,
+    ) -> None:
+        self.name = name
+        self.device = device
+        self.tls = tls or os.environ.get("UCX_TLS", "all")
+        options = {"TLS": self.tls}
+        if device.type != "cuda":  # ucxx defaults rendezvous staging to CUDA memory
+            options["RNDV_FRAG_MEM_TYPE"] = "host"
+        on_host = set(self.tls.replace(" ", "").split(",")) <= ON_HOST
+        self.peer_error_handling = (
+            not on_host if peer_error_handling is None else peer_error_handling
+        )
+        self.worker = UcxWorker(device, options)
+        if device.type == "cuda" and not self.worker.context.cuda_support:
+            raise ValueError(f"UCX has no CUDA transport with UCX_TLS={self.tls}")
+
+    def describe(self) -> str:
+        """For the startup log: which transports UCX may use, and how a dead peer is found."""
+        handling = "on" if self.peer_error_handling else "off (lifeline only)"
+        return f"{self.name} (UCX_TLS={self.tls}, peer error handling {handling})"
+
+    def close(self) -> None:
+        """Stops the worker's background thread; close the channels first."""
+        self.worker.close()
+
+    def connect(self, rendezvous: Endpoint, key: str, timeout: float) -> UcxChannel:
+        deadline = time.monotonic() + timeout
+        offer = _read_offer(rendezvous, key, timeout)
+        try:
+            lifeline = socket.create_connection((rendezvous.host, offer["port"]), _left(deadline))
+        except OSError as err:
+            raise TransferError(f"cannot reach the lifeline of channel {key!r}: {err}") from err
+        try:
+            _keep_alive(lifeline)
+            _send_message(lifeline, self.worker.address, deadline)
+            endpoint = self.worker.endpoint(offer["address"], self.peer_error_handling)
+            if _recv_message(lifeline, deadline) != b"ready":
+                raise TransferError(f"channel {key!r}: bad handshake")
+        except (OSError, TransferError) as err:
+            lifeline.close()
+            raise TransferError(f"channel {key!r} did not open: {err}") from err
+        return UcxChannel(self.worker, endpoint, lifeline, offer["tag"], key)
+
+    def accept(self, rendezvous: TCPStore, key: str, timeout: float) -> UcxChannel:
+        deadline = time.monotonic() + timeout
+        tag = self.worker.new_tag()
+        try:
+            with _listener() as server:
+                offer = {
+                    "address": self.worker.address,
+                    "port": server.getsockname()[1],
+                    "tag": tag,
+                }
+                rendezvous.set(f"{key}/ucx", msgpack.packb(offer))
+                server.settimeout(_left(deadline))
+                lifeline, _ = server.accept()
+        except OSError as err:  # socket.timeout included
+            raise TransferError(f"channel {key!r}: no peer connected: {err}") from err
+        try:
+            _keep_alive(lifeline)
+            peer = _recv_message(lifeline, deadline)
+            endpoint = self.worker.endpoint(peer, self.peer_error_handling)
+            _send_message(lifeline, b"ready", deadline)
+            rendezvous.delete_key(f"{key}/ucx")
+        except (OSError, TransferError) as err:
+            lifeline.close()
+            raise TransferError(f"channel {key!r} did not open: {err}") from err
+        return UcxChannel(self.worker, endpoint, lifeline, tag, key)
+
+
+def _read_offer(rendezvous: Endpoint, key: str, timeout: float) -> dict:
+    try:
+        store = TCPStore(
+            rendezvous.host,
+            rendezvous.port,
+            is_master=False,
+            timeout=datetime.timedelta(seconds=max(timeout, 0.001)),
+        )
+        return msgpack.unpackb(store.get(f"{key}/ucx"))
+    except RuntimeError as err:  # unreachable store, or no accept in time
+        raise TransferError(f"channel {key!r}: no offer at {rendezvous}: {err}") from err
+
+
+def _listener() -> socket.socket:
+    if socket.has_dualstack_ipv6():
+        return socket.create_server(("", 0), family=socket.AF_INET6, dualstack_ipv6=True)
+    return socket.create_server(("", 0))
+
+
+def _keep_alive(sock: socket.socket) -> None:
+    """A peer host that vanishes without closing the connection is noticed in ~10 s."""
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+    if hasattr(socket, "TCP_KEEPIDLE"):
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE, 4)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL, 2)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT, 3)
+
+
+def _send_message(sock: socket.socket, body: bytes, deadline: float) -> None:
+    sock.settimeout(_left(deadline))
+    sock.sendall(struct.pack("<I", len(body)) + body)
+
+
+def _recv_message(sock: socket.socket, deadline: float) -> bytes:
+    sock.settimeout(_left(deadline))
+    (length,) = struct.unpack("<I", _recv_exactly(sock, 4))
+    return _recv_exactly(sock, length)
+
+
+def _recv_exactly(sock: socket.socket, n: int) -> bytes:
+    data = b""
+    while len(data) < n:
+        chunk = sock.recv(n - len(data))
+        if not chunk:
+            raise TransferError("peer closed the lifeline during the handshake")
+        data += chunk
+    return data
+
+
+def _left(deadline: float) -> float:
+    left = deadline - time.monotonic()
+    if left <= 0:
+        raise TransferError("timed out opening the channel")
+    return left
+
+
+def _with_device_tls(device: torch.device, tls: str, cuda_tls: str) -> str:
+    return f"{tls},{cuda_tls}" if device.type == "cuda" else tls
+
+
+@register("ucx")
+def _ucx(device: torch.device) -> UcxTransport:
+    return UcxTransport(device)
+
+
+@register("ucx-shm")
+def _ucx_shm(device: torch.device) -> UcxTransport:
+    return UcxTransport(device, "ucx-shm", _with_device_tls(device, SHM_TLS, "cuda_copy,cuda_ipc"))
+
+
+@register("ucx-tcp")
+def _ucx_tcp(device: torch.device) -> UcxTransport:
+    return UcxTransport(device, "ucx-tcp", _with_device_tls(device, TCP_TLS, "cuda_copy"))
