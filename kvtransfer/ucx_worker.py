@@ -17,6 +17,7 @@ or its channel failed: closed, or hung up for GRACE seconds (what arrived first 
 
 from __future__ import annotations
 
+import atexit
 import math
 import os
 import select
@@ -38,6 +39,7 @@ DRIVER_SLEEP = 0.1  # the driver re-checks deadlines and hang-ups at least this 
 FOLLOWER_SLEEP = 0.05  # a follower re-checks whether it should drive at least this often
 BACKGROUND_DELAY = 0.002  # in-flight requests nobody waits for this long get background progress
 IDLE_SLEEP = 1.0
+_WORKERS: weakref.WeakSet[UcxWorker] = weakref.WeakSet()
 
 
 class Watched(Protocol):
@@ -73,7 +75,7 @@ class UcxWorker:
         self._epoll = select.epoll.fromfd(os.dup(self.worker.epoll_file_descriptor))
         self._wake = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
         self._epoll.register(self._wake, select.EPOLLIN)
-        weakref.finalize(self, _close_fds, self._epoll, self._wake)
+        weakref.finalize(self, _close_fds, self._epoll, self._wake).atexit = False
         self._lock = threading.Lock()  # guards the tables below
         self._driving = threading.Lock()
         self._waiting: dict[int, tuple[object, threading.Event, Watched | None]] = {}
@@ -89,6 +91,7 @@ class UcxWorker:
             target=_background, args=(weakref.ref(self),), name="tandem-ucx", daemon=True
         )
         self._background.start()
+        _WORKERS.add(self)
 
     def close(self) -> None:
         self._stopping = True
@@ -240,6 +243,13 @@ def _background(worker_ref: weakref.ref[UcxWorker]) -> None:
     while (worker := worker_ref()) is not None and not worker._stopping:
         worker._background_step()
         del worker
+
+
+@atexit.register
+def _stop_background_threads() -> None:
+    """Before the interpreter tears UCX down under them."""
+    for worker in list(_WORKERS):
+        worker.close()
 
 
 def _close_fds(epoll: select.epoll, wake: int) -> None:

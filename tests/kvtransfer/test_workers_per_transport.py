@@ -1,0 +1,154 @@
+"""Prefill and decode workers (one process, no Ray) over every KV transport: greedy output equals
+colocated, the bytes moved are exactly the uncached KV, and a link that breaks mid-transfer fails
+the request and frees its blocks on both sides."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from decode.worker import DecodeWorker
+from engine.config import EngineConfig
+from engine.llm import LLM
+from engine.requests import TokenUpdate, WorkRequest
+from engine.sampling_params import SamplingParams
+from kvtransfer.transport import TransferError
+from prefill.worker import PrefillResult, PrefillWorker
+from tests.engine.test_batch_invariance import mixed_prompts
+from tests.kvtransfer.test_transports import TRANSPORTS, transport_named
+
+GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+TIMEOUT = 60.0
+
+
+def engine_config(checkpoint, **options) -> EngineConfig:
+    options = {"dtype": "float32", "block_size": 4, "num_kv_blocks": 128, **options}
+    return EngineConfig(checkpoint, **options)
+
+
+@pytest.fixture(scope="module", params=TRANSPORTS)
+def workers(request, tiny_llama):
+    """Each worker has its own transport, as it would in its own process."""
+    name = request.param
+    prefill = PrefillWorker(
+        f"p-{name}", engine_config(tiny_llama, max_num_batched_tokens=32), transport_named(name), 20
+    )
+    decode = DecodeWorker(f"d-{name}", engine_config(tiny_llama), transport_named(name), 20)
+    yield prefill, decode
+    prefill.shutdown()
+    decode.shutdown()
+
+
+class Outcomes:
+    def __init__(self) -> None:
+        self.prefill: dict[str, PrefillResult | Exception] = {}
+        self.tokens: dict[str, list[int]] = {}
+        self.errors: dict[str, str] = {}
+        self.finished: set[str] = set()
+
+    def on_prefill(self, request_id: str, outcome: PrefillResult | Exception) -> None:
+        self.prefill[request_id] = outcome
+
+    def apply(self, update: TokenUpdate) -> None:
+        tokens = self.tokens.setdefault(update.request_id, [])
+        assert update.first_index == len(tokens)
+        tokens.extend(update.token_ids)
+        if update.error is not None:
+            self.errors[update.request_id] = update.error
+        if update.error is not None or update.finish_reason is not None:
+            self.finished.add(update.request_id)
+
+
+def run(prefill: PrefillWorker, decode: DecodeWorker, requests: list[WorkRequest]) -> Outcomes:
+    outcomes = Outcomes()
+    for request in requests:
+        ticket = decode.reserve(request, prefill.worker_id).result(TIMEOUT)
+        prefill.submit(request, ticket, outcomes.on_prefill)
+    deadline = time.monotonic() + TIMEOUT
+    while len(outcomes.finished) < len(requests) or len(outcomes.prefill) < len(requests):
+        assert time.monotonic() < deadline, "requests did not finish in time"
+        for update in decode.take_updates(timeout=0.2):
+            outcomes.apply(update)
+    return outcomes
+
+
+def test_disaggregated_greedy_equals_colocated(tiny_llama, workers) -> None:
+    prefill, decode = workers
+    llm = LLM(tiny_llama, dtype="float32", block_size=4)
+    prompts = mixed_prompts(llm.engine.model_config.vocab_size, count=6, seed=3)
+    expected = [out.token_ids for out in llm.generate_ids(prompts, GREEDY)]
+    requests = [WorkRequest(f"greedy-{i}", p, GREEDY) for i, p in enumerate(prompts)]
+    outcomes = run(prefill, decode, requests)
+    assert not outcomes.errors
+    assert [outcomes.tokens[r.request_id] for r in requests] == expected
+    assert decode.stats().result(TIMEOUT).num_free_blocks == decode.engine.blocks.num_blocks
+    assert prefill.engine.blocks.num_free_blocks == prefill.engine.blocks.num_blocks
+
+
+def test_bytes_moved_are_the_uncached_kv(workers) -> None:
+    prefill, decode = workers
+    layout = prefill.layout  # float32 K and V for every layer
+    per_token = layout.num_layers * 2 * layout.kv_heads * layout.head_dim * 4
+    vocab = prefill.engine.model_config.vocab_size
+    shared = [(11 * i) % (vocab - 3) + 3 for i in range(24)]  # 6 full blocks of 4
+    for request_id, tail, moved in [("bytes-a", [5, 6, 7], 27), ("bytes-b", [9, 10, 11], 3)]:
+        sent, received = prefill.bytes_sent, decode.receiver.bytes_received
+        outcomes = run(prefill, decode, [WorkRequest(request_id, [*shared, *tail], GREEDY)])
+        assert not outcomes.errors
+        assert outcomes.prefill[request_id].bytes_sent == moved * per_token
+        assert prefill.bytes_sent - sent == moved * per_token
+        assert decode.receiver.bytes_received - received == moved * per_token
+
+
+class BreaksAfter:
+    """Channels that close themselves after `limit` sends: the peer sees its link go down."""
+
+    def __init__(self, inner, limit: int) -> None:
+        self.inner, self.limit, self.name = inner, limit, f"{inner.name}-breaking"
+
+    def connect(self, rendezvous, key, timeout):
+        return Breaking(self.inner.connect(rendezvous, key, timeout), self.limit)
+
+    def accept(self, store, key, timeout):
+        return self.inner.accept(store, key, timeout)
+
+
+class Breaking:
+    def __init__(self, channel, limit: int) -> None:
+        self.channel, self.left = channel, limit
+
+    def send_async(self, tensor: torch.Tensor):
+        self.left -= 1
+        if self.left < 0:
+            self.channel.close()
+            raise TransferError("injected: link down")
+        return self.channel.send_async(tensor)
+
+    def send(self, tensor: torch.Tensor, timeout: float) -> None:
+        self.send_async(tensor).wait(timeout)
+
+    def recv_async(self, tensor: torch.Tensor):
+        return self.channel.recv_async(tensor)
+
+    def close(self) -> None:
+        self.channel.close()
+
+
+@pytest.mark.parametrize("name", TRANSPORTS)
+def test_a_link_broken_mid_transfer_fails_the_request_and_frees_both_sides(
+    tiny_llama, name: str
+) -> None:
+    config = engine_config(tiny_llama, num_kv_blocks=64)
+    prefill = PrefillWorker("p-flaky", config, BreaksAfter(transport_named(name), 3), 5.0)
+    decode = DecodeWorker("d-flaky", config, transport_named(name), transfer_timeout=5.0)
+    try:
+        outcomes = run(prefill, decode, [WorkRequest("doomed", list(range(3, 40)), GREEDY)])
+        assert "doomed" in outcomes.errors
+        assert isinstance(outcomes.prefill["doomed"], Exception)
+        assert decode.engine.blocks.num_free_blocks == 64
+        assert prefill.engine.blocks.num_free_blocks == 64
+    finally:
+        prefill.shutdown()
+        decode.shutdown()
