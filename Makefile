@@ -19,7 +19,7 @@ serve: setup
 	$(VENV)/bin/tandem serve
 
 test: setup lint
-	$(PY) -m pytest -q -m "not gpu"
+	$(PY) -m pytest -q -m "not gpu" --durations=25
 
 lint: setup
 	$(VENV)/bin/ruff check .

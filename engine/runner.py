@@ -13,6 +13,7 @@ from engine.packed_linear import can_pack, pack_linears
 from engine.sampler import SamplerOutput, SampleRow, sample
 from engine.scheduler import ScheduledChunk, StepPlan
 from engine.weights import load_weights
+from kernels import cpu_extension
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
@@ -33,6 +34,10 @@ class ModelRunner:
         self.dtype = DTYPES[engine_cfg.dtype]
         self.device = torch.device(engine_cfg.device)
         self.block_size = engine_cfg.block_size
+        if self.device.type == "cpu":
+            # Build or load the C++ kernels now, not inside the first request (a first build
+            # takes minutes, and a worker must not stall a transfer on it).
+            cpu_extension.load()
         self.model = load_model(model_cfg, self.dtype, engine_cfg.device)
         self.kv_caches = allocate_kv_cache(
             model_cfg, num_blocks, self.block_size, self.dtype, self.device

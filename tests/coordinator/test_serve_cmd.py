@@ -4,6 +4,7 @@ on SIGINT / SIGTERM."""
 from __future__ import annotations
 
 import argparse
+import os
 import signal
 import socket
 import subprocess
@@ -96,7 +97,8 @@ def test_process_serves_then_exits_0_on_signal(tiny_llama, sig) -> None:
         "--port", str(port), "--dtype", "float32", "--kv-cache-memory", "16MiB",
         "--mode", "colocated", "--log-level", "warning",
     ]  # fmt: skip
-    process = subprocess.Popen(command, stderr=subprocess.PIPE, text=True)
+    # Its own session: if the test fails, the server and the Ray cluster it started go together.
+    process = subprocess.Popen(command, stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
         url = f"http://127.0.0.1:{port}"
         deadline = time.monotonic() + START_TIMEOUT_S
@@ -105,13 +107,13 @@ def test_process_serves_then_exits_0_on_signal(tiny_llama, sig) -> None:
             assert time.monotonic() < deadline, "the server did not start"
             time.sleep(0.2)
         body = {"prompt": "hi", "max_tokens": 3, "ignore_eos": True}
-        usage = httpx.post(url + "/v1/completions", json=body).json()["usage"]
+        usage = httpx.post(url + "/v1/completions", json=body, timeout=120).json()["usage"]
         assert usage["completion_tokens"] == 3
         process.send_signal(sig)
         _, stderr = process.communicate(timeout=30)
     finally:
         if process.poll() is None:
-            process.kill()
+            os.killpg(process.pid, signal.SIGKILL)
     assert process.returncode == 0, stderr
     assert "Traceback" not in stderr
 

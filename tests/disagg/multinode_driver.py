@@ -17,7 +17,7 @@ from coordinator.builder import DeployConfig, build_client, connect_ray
 from engine.config import EngineConfig
 from engine.sampling_params import SamplingParams
 
-DEADLINE = 150  # seconds, below the test's timeout for this process
+DEADLINE = 280  # seconds, below the test's timeout for this process
 POOLS = ("prefill", "decode")
 
 
@@ -37,7 +37,7 @@ async def main(address: str, checkpoint: str) -> dict:
     wait_for_pools(timeout=60)
     engine = EngineConfig(checkpoint, dtype="float32", block_size=4, num_kv_blocks=64)
     client = build_client(engine, DeployConfig(address=address, threads_per_worker=1))
-    await asyncio.wait_for(client.ready(), timeout=90)
+    await asyncio.wait_for(client.ready(), timeout=120)
     params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
 
     async def generate():
@@ -46,7 +46,7 @@ async def main(address: str, checkpoint: str) -> dict:
             final = output
         return final
 
-    final = await asyncio.wait_for(generate(), timeout=30)
+    final = await asyncio.wait_for(generate(), timeout=90)
     nodes = {n["NodeID"]: n["Resources"] for n in ray.nodes() if n["Alive"]}
     placed = {}
     for worker_id, handle in {**client.prefill, **client.decode}.items():

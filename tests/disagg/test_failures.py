@@ -46,12 +46,12 @@ def run_and_kill(loop, client, prompts, victim, kill_when) -> list[list[int]]:
     future = asyncio.run_coroutine_threadsafe(
         generate_all(client, prompts, progress.__setitem__), loop.loop
     )
-    deadline = time.monotonic() + 60
+    deadline = time.monotonic() + 240  # a bound against hangs, not a speed check
     while not kill_when(progress):
         assert time.monotonic() < deadline and not future.done(), progress
         time.sleep(0.005)
     ray.kill(victim)
-    return future.result(timeout=120)
+    return future.result(timeout=300)
 
 
 def assert_all_blocks_free(loop, handles) -> None:

@@ -23,7 +23,7 @@ from engine.sampling_params import SamplingParams
 RAY = Path(sys.executable).with_name("ray")
 pytestmark = pytest.mark.skipif(not RAY.exists(), reason="the ray CLI is not installed")
 STARTED = b"Ray runtime started."  # what `ray start` prints once its node is up
-DRIVER_TIMEOUT = 180  # seconds; the driver gives up on its own (with a stack dump) before this
+DRIVER_TIMEOUT = 320  # seconds; the driver gives up on its own (with a stack dump) before this
 
 
 def free_port() -> int:

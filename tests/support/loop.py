@@ -15,7 +15,7 @@ class LoopThread:
         self._thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self._thread.start()
 
-    def run(self, coro: Coroutine, timeout: float = 120.0) -> Any:
+    def run(self, coro: Coroutine, timeout: float = 300.0) -> Any:
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
 
     def close(self) -> None:
