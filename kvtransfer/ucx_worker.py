@@ -4,12 +4,13 @@ Any thread posts sends and receives on the worker (ucxx makes it thread-safe). A
 must wait progresses the worker itself, so a completion wakes the thread that wants it directly;
 with several waiters one drives and the rest follow:
 
-    driver    (holds `_driving`): progress, or sleep in the worker's epoll set until UCX's event
-              fd, the wake-up eventfd or a lifeline fires; then mark hung-up lifelines and wake
-              the followers whose requests completed.
+    driver    (holds `_driving`): progress, or sleep in ucxx's epoll set until UCX's event fd or
+              our own epoll set (wake-up eventfd, lifelines) fires; mark hung-up lifelines and
+              wake the followers whose requests completed.
     follower: sleeps on its own Event; on leaving, a waiter wakes another so someone drives.
-    background thread: drives only while requests are in flight and nobody has waited for
-              BACKGROUND_DELAY (a poster busy elsewhere), and hands over to the next waiter.
+    background thread: drives only while requests are in flight and nobody has posted or
+              waited for BACKGROUND_DELAY (a poster busy elsewhere); hands over to the next
+              waiter.
 
 A wait ends when its request completes (its error raised as TransferError), its deadline passes,
 or its channel failed: closed, or hung up for GRACE seconds (what arrived first still lands).
@@ -35,10 +36,10 @@ from kvtransfer.transport import TransferError
 os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
 
 GRACE = 0.5  # seconds a hung-up channel keeps delivering what had already arrived
-DRIVER_SLEEP = 0.1  # the driver re-checks deadlines and hang-ups at least this often
+DRIVER_SLEEP = 0.1  # the driver re-checks deadlines at least this often
 FOLLOWER_SLEEP = 0.05  # a follower re-checks whether it should drive at least this often
 BACKGROUND_DELAY = 0.002  # in-flight requests nobody waits for this long get background progress
-IDLE_SLEEP = 1.0
+IDLE_SLEEP = 0.25
 _WORKERS: weakref.WeakSet[UcxWorker] = weakref.WeakSet()
 
 
@@ -71,21 +72,25 @@ class UcxWorker:
         self.worker = self.ucx.UCXWorker(self.context)
         self.worker.init_blocking_progress_mode()
         self.address = self.worker.address.tobytes()
-        # A second handle on ucxx's epoll instance, so our fds wake the same sleep.
-        self._epoll = select.epoll.fromfd(os.dup(self.worker.epoll_file_descriptor))
+        # Our fds live in an epoll set of their own, nested in ucxx's: they wake the driver's
+        # sleep, and polling them alone costs one call.
+        self._fds = select.epoll()
         self._wake = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
-        self._epoll.register(self._wake, select.EPOLLIN)
-        weakref.finalize(self, _close_fds, self._epoll, self._wake).atexit = False
+        self._fds.register(self._wake, select.EPOLLIN)
+        with select.epoll.fromfd(os.dup(self.worker.epoll_file_descriptor)) as ucxx_set:
+            ucxx_set.register(self._fds.fileno(), select.EPOLLIN)
+        weakref.finalize(self, _close_fds, self._fds, self._wake).atexit = False
         self._lock = threading.Lock()  # guards the tables below
         self._driving = threading.Lock()
         self._waiting: dict[int, tuple[object, threading.Event, Watched | None]] = {}
         self._watched: dict[int, Watched] = {}  # lifeline fd -> channel
         # (request, buffer) posted and not seen complete: the buffer lives until UCX is done
         self._in_flight: list[tuple[object, object]] = []
-        self._posted = threading.Event()
-        self._last_waited = 0.0
+        self._last_active = 0.0  # last post or end of a wait
         self._next_tag = 0
         self._local = threading.local()
+        self._posted = threading.Event()  # wakes an idle background thread
+        self._background_idle = False
         self._stopping = False
         self._background = threading.Thread(
             target=_background, args=(weakref.ref(self),), name="tandem-ucx", daemon=True
@@ -98,12 +103,6 @@ class UcxWorker:
         self._posted.set()
         os.eventfd_write(self._wake, 1)
         self._background.join(timeout=2)
-
-    def track(self, request, buffer) -> None:
-        """Keeps `buffer` alive while `request` is in flight, and the request progressing."""
-        with self._lock:
-            self._in_flight.append((request, buffer))
-        self._posted.set()
 
     def new_tag(self) -> int:
         """A channel tag unique on this worker (receives match tags worker-wide)."""
@@ -120,16 +119,25 @@ class UcxWorker:
         except self.ucx.UCXError as err:
             raise TransferError(f"UCX cannot reach the peer: {err}") from err
 
+    def track(self, request, buffer) -> None:
+        """Keeps `buffer` alive while `request` is in flight, and the request progressing."""
+        with self._lock:
+            self._in_flight.append((request, buffer))
+            self._last_active = time.monotonic()
+            idle = self._background_idle
+        if idle:
+            self._posted.set()
+
     def watch(self, channel: Watched) -> None:
         with self._lock:
             self._watched[channel.lifeline_fd] = channel
-        self._epoll.register(channel.lifeline_fd, select.EPOLLIN | select.EPOLLRDHUP)
+        self._fds.register(channel.lifeline_fd, select.EPOLLIN | select.EPOLLRDHUP)
 
     def unwatch(self, channel: Watched) -> None:
         with self._lock:
             if self._watched.pop(channel.lifeline_fd, None) is None:
                 return
-        self._epoll.unregister(channel.lifeline_fd)
+        self._fds.unregister(channel.lifeline_fd)
 
     def hang_up(self, channel: Watched) -> None:
         """Wakes every thread waiting on `channel`, which then sees its failure."""
@@ -165,21 +173,22 @@ class UcxWorker:
                     self.track(request, buffer)  # UCX may still write into it
                     raise TransferError(reason)
                 sleep = _sleep_for(now, deadline, channel)
+                sleep = DRIVER_SLEEP if sleep is None else min(sleep, DRIVER_SLEEP)
                 if self._driving.acquire(blocking=False):
                     try:
-                        self._drive(DRIVER_SLEEP if sleep is None else min(sleep, DRIVER_SLEEP))
+                        self._drive(request, sleep)
                     finally:
                         self._driving.release()
                     continue
                 if not followed:  # the driver may sleep: have it progress this new request
                     os.eventfd_write(self._wake, 1)
                     followed = True
-                event.wait(FOLLOWER_SLEEP if sleep is None else min(sleep, FOLLOWER_SLEEP))
+                event.wait(min(sleep, FOLLOWER_SLEEP))
                 event.clear()
         finally:
             with self._lock:
                 del self._waiting[id(event)]
-                self._last_waited = time.monotonic()
+                self._last_active = time.monotonic()
             self._hand_over()
 
     def _hand_over(self) -> None:
@@ -189,34 +198,52 @@ class UcxWorker:
                 other.set()
                 break
 
-    def _drive(self, seconds: float) -> None:
+    def _drive(self, request, seconds: float) -> None:
+        """Progresses until `request` (if any) completes, one of our fds fires, or `seconds`
+        pass. The hot loop of every transfer: keep it lean."""
         if self.device.type == "cuda" and not getattr(self._local, "in_context", False):
             # UCX's CUDA transports need the device's context current on the progressing thread.
             torch.cuda.set_device(self.device)
             torch.cuda.synchronize(self.device)
             self._local.in_context = True
-        self.worker.progress_worker_event(math.ceil(seconds * 1000))  # GIL released inside
-        ready = {fd for fd, _ in self._epoll.poll(0)}
-        if self._wake in ready:
-            os.eventfd_read(self._wake)
+        own_waiter = 0 if request is None else 1
+        end = time.monotonic() + seconds
+        while True:
+            left = end - time.monotonic()
+            if left <= 0 or (request is not None and request.completed):
+                return
+            self.worker.progress_worker_event(math.ceil(left * 1000))  # GIL released inside
+            ready = self._fds.poll(0)
+            if ready:
+                self._service(ready)
+            if len(self._waiting) > own_waiter:
+                self._wake_completed()
+            if ready:
+                return
+
+    def _service(self, ready: list[tuple[int, int]]) -> None:
         with self._lock:
-            gone = [self._watched[fd] for fd in ready if fd in self._watched]
+            gone = [self._watched[fd] for fd, _ in ready if fd in self._watched]
+        if any(fd == self._wake for fd, _ in ready):
+            os.eventfd_read(self._wake)
         for channel in gone:
             # After the handshake a lifeline carries nothing: readable means closed or broken.
             channel.hung_up_at = time.monotonic()
             self.unwatch(channel)
             self.hang_up(channel)
+
+    def _wake_completed(self) -> None:
         with self._lock:
             for request, event, _ in self._waiting.values():
                 if request.completed:
                     event.set()
-            self._in_flight = [(r, b) for r, b in self._in_flight if not r.completed]
 
     def _background_step(self) -> None:
         with self._lock:
-            idle_for = time.monotonic() - self._last_waited
             self._in_flight = [(r, b) for r, b in self._in_flight if not r.completed]
             wanted = bool(self._in_flight) and not self._waiting
+            idle_for = time.monotonic() - self._last_active
+            self._background_idle = not wanted
         if not wanted:
             self._posted.wait(IDLE_SLEEP)
             self._posted.clear()
@@ -224,7 +251,7 @@ class UcxWorker:
             time.sleep(BACKGROUND_DELAY - idle_for)
         elif self._driving.acquire(blocking=False):
             try:
-                self._drive(DRIVER_SLEEP)  # a new waiter's wake-up ends the sleep
+                self._drive(None, DRIVER_SLEEP)  # a new waiter's wake-up ends it
             finally:
                 self._driving.release()
             self._hand_over()
@@ -252,6 +279,6 @@ def _stop_background_threads() -> None:
         worker.close()
 
 
-def _close_fds(epoll: select.epoll, wake: int) -> None:
-    epoll.close()
+def _close_fds(fds: select.epoll, wake: int) -> None:
+    fds.close()
     os.close(wake)
