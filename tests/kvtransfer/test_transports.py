@@ -37,25 +37,27 @@ def transport_named(name: str):
     return make_transport(name, CPU)
 
 
-def open_pair(name: str, rendezvous: Rendezvous, key: str = "p0->d0#0"):
-    """(sending, receiving) channel; each side has its own transport, as two workers would."""
-    sending, receiving = transport_named(name), transport_named(name)
-    accepted = {}
-    accept = threading.Thread(
-        target=lambda: accepted.setdefault("rx", receiving.accept(rendezvous.store, key, 20))
-    )
-    accept.start()
-    tx = sending.connect(rendezvous.endpoint, key, OPEN_TIMEOUT)
-    accept.join(OPEN_TIMEOUT)
-    return tx, accepted["rx"]
+def close_transport(transport) -> None:
+    """ucx transports own a UCX worker and a thread; gloo's own nothing."""
+    if hasattr(transport, "close"):
+        transport.close()
 
 
 @pytest.fixture(params=TRANSPORTS)
 def channels(request) -> Iterator[tuple]:
-    tx, rx = open_pair(request.param, Rendezvous("127.0.0.1"))
-    yield tx, rx
-    tx.close()
-    rx.close()
+    """(sending, receiving) channel; each side has its own transport, as two workers would."""
+    sending, receiving = transport_named(request.param), transport_named(request.param)
+    rendezvous, accepted = Rendezvous("127.0.0.1"), {}
+    accept = in_thread(
+        lambda: accepted.setdefault("rx", receiving.accept(rendezvous.store, "p0->d0#0", 20))
+    )
+    tx = sending.connect(rendezvous.endpoint, "p0->d0#0", OPEN_TIMEOUT)
+    accept.join(OPEN_TIMEOUT)
+    yield tx, accepted["rx"]
+    for channel in (tx, accepted["rx"]):
+        channel.close()
+    for transport in (sending, receiving):
+        close_transport(transport)
 
 
 def in_thread(fn, *args) -> threading.Thread:
@@ -145,8 +147,9 @@ def test_killed_sender_fails_a_waiting_receiver(name: str) -> None:
     ready = spawn.Event()
     peer = spawn.Process(target=_sending_peer, args=(name, rendezvous.endpoint, ready))
     peer.start()
+    transport = transport_named(name)
     try:
-        rx = transport_named(name).accept(rendezvous.store, "dead#0", 60)
+        rx = transport.accept(rendezvous.store, "dead#0", 60)
         first = torch.empty(8, dtype=torch.int64)
         rx.recv(first, 30)
         assert first.tolist() == list(range(8))
@@ -164,6 +167,7 @@ def test_killed_sender_fails_a_waiting_receiver(name: str) -> None:
     finally:
         peer.kill()
         peer.join(10)
+        close_transport(transport)
 
 
 GLOO_POSTS_UNWRAPPED = pytest.mark.xfail(
@@ -182,8 +186,9 @@ def test_killed_receiver_fails_the_sender(name: str) -> None:
     endpoints, ready = spawn.Queue(), spawn.Event()
     peer = spawn.Process(target=_receiving_peer, args=(name, endpoints, ready))
     peer.start()
+    transport = transport_named(name)
     try:
-        tx = transport_named(name).connect(endpoints.get(timeout=60), "dead#0", 60)
+        tx = transport.connect(endpoints.get(timeout=60), "dead#0", 60)
         tx.send(torch.arange(8, dtype=torch.int64), 30)
         assert ready.wait(30)
         peer.kill()
@@ -198,6 +203,7 @@ def test_killed_receiver_fails_the_sender(name: str) -> None:
     finally:
         peer.kill()
         peer.join(10)
+        close_transport(transport)
 
 
 def _capture(outcome: dict, fn, *args) -> None:

@@ -17,7 +17,7 @@ from engine.sampling_params import SamplingParams
 from kvtransfer.transport import TransferError
 from prefill.worker import PrefillResult, PrefillWorker
 from tests.engine.test_batch_invariance import mixed_prompts
-from tests.kvtransfer.test_transports import TRANSPORTS, transport_named
+from tests.kvtransfer.test_transports import TRANSPORTS, close_transport, transport_named
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
 TIMEOUT = 60.0
@@ -32,13 +32,15 @@ def engine_config(checkpoint, **options) -> EngineConfig:
 def workers(request, tiny_llama):
     """Each worker has its own transport, as it would in its own process."""
     name = request.param
-    prefill = PrefillWorker(
-        f"p-{name}", engine_config(tiny_llama, max_num_batched_tokens=32), transport_named(name), 20
-    )
-    decode = DecodeWorker(f"d-{name}", engine_config(tiny_llama), transport_named(name), 20)
+    transports = [transport_named(name), transport_named(name)]
+    prefill_config = engine_config(tiny_llama, max_num_batched_tokens=32)
+    prefill = PrefillWorker(f"p-{name}", prefill_config, transports[0], 20)
+    decode = DecodeWorker(f"d-{name}", engine_config(tiny_llama), transports[1], 20)
     yield prefill, decode
     prefill.shutdown()
     decode.shutdown()
+    for transport in transports:
+        close_transport(transport)
 
 
 class Outcomes:
@@ -141,8 +143,9 @@ def test_a_link_broken_mid_transfer_fails_the_request_and_frees_both_sides(
     tiny_llama, name: str
 ) -> None:
     config = engine_config(tiny_llama, num_kv_blocks=64)
-    prefill = PrefillWorker("p-flaky", config, BreaksAfter(transport_named(name), 3), 5.0)
-    decode = DecodeWorker("d-flaky", config, transport_named(name), transfer_timeout=5.0)
+    transports = [transport_named(name), transport_named(name)]
+    prefill = PrefillWorker("p-flaky", config, BreaksAfter(transports[0], 3), 5.0)
+    decode = DecodeWorker("d-flaky", config, transports[1], transfer_timeout=5.0)
     try:
         outcomes = run(prefill, decode, [WorkRequest("doomed", list(range(3, 40)), GREEDY)])
         assert "doomed" in outcomes.errors
@@ -152,3 +155,5 @@ def test_a_link_broken_mid_transfer_fails_the_request_and_frees_both_sides(
     finally:
         prefill.shutdown()
         decode.shutdown()
+        for transport in transports:
+            close_transport(transport)
