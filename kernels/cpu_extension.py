@@ -9,10 +9,13 @@ are used instead, with a warning.
 
 from __future__ import annotations
 
+import fcntl
 import functools
 import hashlib
 import logging
 import os
+import shutil
+import sys
 from pathlib import Path
 from types import ModuleType
 
@@ -31,9 +34,10 @@ CFLAGS = ["-O3", "-march=native", "-fopenmp", "-ffast-math", "-ffp-contract=off"
 
 
 def build_name() -> str:
-    """Named after the sources' content: two checkouts of the same code share one build, and
-    checkouts of different code never rebuild over each other (and wait on each other's lock)."""
-    digest = hashlib.sha256(" ".join(CFLAGS).encode())
+    """Named after the sources' content and the environment: checkouts of the same code in one
+    environment share a build, and different code never rebuilds over another's build."""
+    # The environment counts too: another venv compiles against other torch headers.
+    digest = hashlib.sha256(" ".join([*CFLAGS, sys.prefix]).encode())
     for source in SOURCES:
         digest.update(source.read_bytes())
     return f"tandem_cpu_ops_{digest.hexdigest()[:12]}"
@@ -45,9 +49,33 @@ def load() -> ModuleType | None:
     if os.environ.get("TANDEM_KERNELS") == "reference":
         return None
     try:
-        from torch.utils.cpp_extension import load as build
-
-        return build(name=build_name(), sources=[str(s) for s in SOURCES], extra_cflags=CFLAGS)
+        return _build()
     except Exception as err:  # no compiler, no ninja, a build error: fall back, loudly
         log.warning("tandem CPU kernels unavailable, using torch references: %s", err)
         return None
+
+
+def _build() -> ModuleType:
+    """Builds (or loads the cached build) from copies of the sources in the build directory,
+    so every checkout of the same code uses the same paths and shares one build.
+
+    torch's builder guards a build with a lock file that a killed build leaves behind, and
+    every later load then waits for it forever. Our own flock goes first: the kernel drops it
+    when its holder dies, and whoever holds it knows a leftover lock file is stale."""
+    from torch.utils.cpp_extension import _get_build_directory
+    from torch.utils.cpp_extension import load as build
+
+    name = build_name()
+    folder = Path(_get_build_directory(name, verbose=False))
+    folder.mkdir(parents=True, exist_ok=True)
+    with open(folder / "tandem.flock", "w") as guard:
+        fcntl.flock(guard, fcntl.LOCK_EX)
+        (folder / "lock").unlink(missing_ok=True)
+        sources = []
+        for source in SOURCES:
+            copy = folder / "src" / source.name
+            if not copy.exists() or copy.read_bytes() != source.read_bytes():
+                copy.parent.mkdir(exist_ok=True)
+                shutil.copyfile(source, copy)
+            sources.append(str(copy))
+        return build(name=name, sources=sources, extra_cflags=CFLAGS, build_directory=str(folder))
