@@ -54,13 +54,22 @@ class ProcessGroupChannel:
 
     def send_async(self, tensor: torch.Tensor) -> _Pending:
         staged = tensor.to(self.device)
-        return _Pending(self.group.send([staged], self.peer, 0), staged)
+        return _Pending(self._post(self.group.send, staged), staged)
 
     def recv_async(self, tensor: torch.Tensor) -> _Pending:
         if tensor.device == self.device:
-            return _Pending(self.group.recv([tensor], self.peer, 0), tensor)
+            return _Pending(self._post(self.group.recv, tensor), tensor)
         staged = torch.empty_like(tensor, device=self.device)
-        return _Pending(self.group.recv([staged], self.peer, 0), staged, copy_to=tensor)
+        return _Pending(self._post(self.group.recv, staged), staged, copy_to=tensor)
+
+    def _post(self, post, tensor: torch.Tensor):
+        """Posting fails at once when the peer is known dead (gloo checks its socket there)."""
+        if self.group is None:
+            raise TransferError("channel is closed")
+        try:
+            return post([tensor], self.peer, 0)
+        except RuntimeError as err:
+            raise TransferError(str(err).splitlines()[0]) from err
 
     def close(self) -> None:
         self.group = None

@@ -170,17 +170,7 @@ def test_killed_sender_fails_a_waiting_receiver(name: str) -> None:
         close_transport(transport)
 
 
-GLOO_POSTS_UNWRAPPED = pytest.mark.xfail(
-    strict=True,
-    raises=RuntimeError,
-    reason="torch_dist posts group.send outside its try: a dead peer's RuntimeError escapes "
-    "send_async instead of a TransferError",
-)
-
-
-@pytest.mark.parametrize(
-    "name", [pytest.param("gloo", marks=GLOO_POSTS_UNWRAPPED), *TRANSPORTS[1:]]
-)
+@pytest.mark.parametrize("name", TRANSPORTS)
 def test_killed_receiver_fails_the_sender(name: str) -> None:
     spawn = mp.get_context("spawn")
     endpoints, ready = spawn.Queue(), spawn.Event()
