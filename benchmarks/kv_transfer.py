@@ -1,17 +1,22 @@
-"""KV transfer: raw vs effective bandwidth, what layer pipelining hides, and interference.
+"""KV transfer per transport: raw vs effective bandwidth, TTFT overhead, and interference.
 
-    python benchmarks/kv_transfer.py [--model DIR] [--prompt-len 2048] [--transport gloo] \
-        [--skip-interference] [--json results/kv_transfer.json]
+    python benchmarks/kv_transfer.py [--model DIR] [--prompt-len 2048] \
+        [--transports gloo ucx-shm ucx-tcp] [--repeats 3] [--skip-interference] \
+        [--json results/kv_transfer.json]
 
-1. Bandwidth: one contiguous buffer of a prompt's KV size over the transport (raw), and the KV
-   of real prompts moved layer by layer into reserved blocks (effective = bytes / transfer time
-   when sent after prefill, so compute does not pace it). Every measurement takes turns with
-   the others in rounds (the order rotating), and each row is a median over the rounds.
-2. TTFT on the prefill side: prefill alone; prefill then send (serialized); layer-pipelined.
-   The transfer is a few percent of a CPU prefill, below this machine's run-to-run noise, so
-   what pipelining hides is measured inside each run instead: the transfer time left after the
-   prefill step ends (what TTFT pays), serialized vs pipelined.
-3. Interference (Ray pools, one torch thread per worker, same total cores): short requests
+1. Per transport, between this process (prefill, one torch thread, plus its sender thread) and
+   a spawned decode process (one torch thread), as in a deployment with one worker per core:
+   - raw: one contiguous buffer of a prompt's KV size, one send;
+   - effective: the KV of a real prompt moved layer by layer into reserved decode blocks, timed
+     from the first layer sent to the done frame, when sent after prefill (so compute does not
+     pace it): bytes / that time;
+   - TTFT on the prefill side: prefill alone (no transfer), prefill then send (serialized), and
+     layer-pipelined; the overhead is each minus alone. The transfer is a few percent of a CPU
+     prefill, near this machine's run-to-run noise, so what pipelining hides is also measured
+     inside each run: the transfer time left after the prefill step ends (what TTFT pays).
+   Within a transport, every measurement takes turns with the others in rounds (the order
+   rotating); each figure is a median over the rounds after a warm-up round.
+2. Interference (Ray pools, one torch thread per worker, same total cores): short requests
    decode while long prompts arrive; colocated (2 workers) vs disaggregated (1P1D).
 All measured in one run; the machine is shared and noisy, so compare ratios.
 """
@@ -20,7 +25,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib.util
 import json
+import multiprocessing as mp
 import random
 import statistics
 import sys
@@ -38,6 +45,7 @@ from engine.requests import WorkRequest  # noqa: E402
 from engine.sampling_params import SamplingParams  # noqa: E402
 
 FIRST_TOKEN = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
+TIMEOUT = 120.0
 
 
 def random_prompt(length: int, seed: int) -> list[int]:
@@ -45,56 +53,105 @@ def random_prompt(length: int, seed: int) -> list[int]:
     return [rng.randrange(1000, 40000) for _ in range(length)]
 
 
-class RawLink:
-    """One channel between two threads of this process, for the raw-bandwidth baseline: one
-    contiguous buffer per send, no framing, no pack or unpack."""
+def transfer_config(model: Path, prompt_len: int) -> EngineConfig:
+    return EngineConfig(
+        model, enable_prefix_caching=False, max_num_batched_tokens=prompt_len,
+        kv_cache_memory_bytes=1 << 28,
+    )  # fmt: skip
 
-    def __init__(self, transport_name: str, nbytes: int) -> None:
-        from kvtransfer.transport import Rendezvous, make_transport
 
-        transport = make_transport(transport_name, torch.device("cpu"))
-        rendezvous = Rendezvous("127.0.0.1")
-        accepted = {}
-        accept = threading.Thread(
-            target=lambda: accepted.setdefault("rx", transport.accept(rendezvous.store, "raw", 30))
+class DecodeProcess:
+    """A DecodeWorker in a spawned process, driven over a pipe: reserve, collect updates, and
+    the receiving end of the raw link."""
+
+    def __init__(self, config: EngineConfig, transport_name: str, raw_bytes: int) -> None:
+        self.conn, child = mp.Pipe()
+        self.process = mp.get_context("spawn").Process(
+            target=_decode_main, args=(config, transport_name, raw_bytes, child), daemon=True
         )
-        accept.start()
-        self.tx = transport.connect(rendezvous.endpoint, "raw", 30)
-        accept.join(30)
-        self.rx = accepted["rx"]
-        self.source = torch.randn(nbytes // 4)
-        self.target = torch.empty_like(self.source)
+        self.process.start()
+        self.raw_endpoint = self._answer()
 
-    def seconds(self) -> float:
-        start = time.perf_counter()
-        arriving = self.rx.recv_async(self.target)
-        self.tx.send(self.source, 60)
-        arriving.wait(60)
-        return time.perf_counter() - start
+    def call(self, command: str, arg=None):
+        self.conn.send((command, arg))
+        return self._answer()
+
+    def _answer(self):
+        deadline = time.monotonic() + TIMEOUT
+        while not self.conn.poll(1.0):
+            if not self.process.is_alive():
+                raise RuntimeError(f"the decode process died (exit {self.process.exitcode})")
+            if time.monotonic() > deadline:
+                raise TimeoutError("the decode process did not answer")
+        answer = self.conn.recv()
+        if isinstance(answer, Exception):
+            raise answer
+        return answer
+
+    def close(self) -> None:
+        if self.process.is_alive():
+            self.conn.send(("stop", None))
+            self.process.join(30)
+        self.process.kill()
+
+
+def _decode_main(config: EngineConfig, transport_name: str, raw_bytes: int, conn) -> None:
+    from decode.worker import DecodeWorker
+    from kvtransfer.transport import Rendezvous, make_transport
+
+    torch.set_num_threads(1)
+    transport = make_transport(transport_name, torch.device("cpu"))
+    decode = DecodeWorker("d-bench", config, transport, TIMEOUT)
+    rendezvous = Rendezvous("127.0.0.1")
+    target = torch.empty(raw_bytes // 4)
+    raw = {}
+    accepting = threading.Thread(
+        target=lambda: raw.setdefault("rx", transport.accept(rendezvous.store, "raw", TIMEOUT))
+    )
+    accepting.start()
+    conn.send(rendezvous.endpoint)
+    try:
+        while True:
+            command, arg = conn.recv()
+            if command == "stop":
+                return
+            try:
+                if command == "reserve":
+                    conn.send(decode.reserve(*arg).result(TIMEOUT))
+                elif command == "updates":  # admitted and finished at once (max_tokens=1)
+                    conn.send(len(decode.take_updates(timeout=5)))
+                elif command == "raw":  # post the receive, answer, then wait for the bytes
+                    accepting.join(TIMEOUT)
+                    arriving = raw["rx"].recv_async(target)
+                    conn.send("posted")
+                    arriving.wait(TIMEOUT)
+                    conn.send("received")
+            except Exception as err:  # noqa: BLE001  (handed to the driver, which raises it)
+                conn.send(RuntimeError(f"decode process: {err!r}"))
+    finally:
+        decode.shutdown()
 
 
 def measure_transfer(model: Path, prompt_len: int, repeats: int, transport_name: str) -> dict:
-    """Alone, serialized and pipelined take turns within each round, so drift in the machine's
-    load hits all three alike; medians over the rounds after a warm-up round."""
-    from decode.worker import DecodeWorker
+    """Alone, raw, serialized and pipelined take turns within each round, so drift in the
+    machine's load hits all of them alike; medians over the rounds after a warm-up round."""
     from engine.engine import LLMEngine
     from kvtransfer.transport import make_transport
     from prefill.worker import PrefillWorker, kv_layout
 
-    config = EngineConfig(
-        model, enable_prefix_caching=False, max_num_batched_tokens=prompt_len,
-        kv_cache_memory_bytes=1 << 28,
-    )  # fmt: skip
+    config = transfer_config(model, prompt_len)
     transport = make_transport(transport_name, torch.device("cpu"))
     alone_engine = LLMEngine(config)
-    decode = DecodeWorker("d-bench", config, transport, 120.0)
+    raw_bytes = kv_layout(alone_engine).bytes_for(prompt_len)
+    decode = DecodeProcess(config, transport_name, raw_bytes)
     prefills = {
-        "serialized": PrefillWorker("p-serialized", config, transport, 120.0, False),
-        "pipelined": PrefillWorker("p-pipelined", config, transport, 120.0, True),
+        "serialized": PrefillWorker("p-serialized", config, transport, TIMEOUT, False),
+        "pipelined": PrefillWorker("p-pipelined", config, transport, TIMEOUT, True),
     }
-    raw = RawLink(transport_name, kv_layout(alone_engine).bytes_for(prompt_len))
     rows: dict[str, list] = {"alone": [], "serialized": [], "pipelined": [], "raw": []}
     try:
+        raw_tx = transport.connect(decode.raw_endpoint, "raw", TIMEOUT)
+        source = torch.randn(raw_bytes // 4)
         for i in range(repeats + 1):  # round 0 warms up and opens the channels
             prompt = random_prompt(prompt_len, 100 + i)
             modes = ["alone", "raw", *prefills]
@@ -102,7 +159,7 @@ def measure_transfer(model: Path, prompt_len: int, repeats: int, transport_name:
                 if mode == "alone":
                     run = _prefill_alone(alone_engine, prompt)
                 elif mode == "raw":
-                    run = raw.seconds()
+                    run = _raw_send(raw_tx, source, decode)
                 else:
                     run = _remote_prefill(prefills[mode], decode, prompt, f"{mode}{i}")
                 if i > 0:
@@ -110,25 +167,33 @@ def measure_transfer(model: Path, prompt_len: int, repeats: int, transport_name:
     finally:
         for worker in prefills.values():
             worker.shutdown()
-        decode.shutdown()
-    alone = statistics.median(rows["alone"])
-    serialized = statistics.median(r["ttft"] for r in rows["serialized"])
-    pipelined = statistics.median(r["ttft"] for r in rows["pipelined"])
+        decode.close()
+    return _summary(rows)
+
+
+def _summary(rows: dict[str, list]) -> dict:
+    def median(mode: str, key: str) -> float:
+        return statistics.median(r[key] for r in rows[mode])
+
     kv_bytes = rows["serialized"][0]["bytes"]
-    transfer = statistics.median(r["transfer"] for r in rows["serialized"])
-    exposed = {m: statistics.median(r["exposed"] for r in rows[m]) for m in prefills}
-    raw_seconds = statistics.median(rows["raw"])
+    alone = statistics.median(rows["alone"])
+    exposed = {m: median(m, "exposed") for m in ("serialized", "pipelined")}
+    ttft = {m: median(m, "ttft") for m in ("serialized", "pipelined")}
+    raw_gbps = kv_bytes / statistics.median(rows["raw"]) / 1e9
+    effective_gbps = kv_bytes / median("serialized", "transfer") / 1e9
     return {
-        "raw_gbps": kv_bytes / raw_seconds / 1e9,
-        "hidden_fraction": 1 - exposed["pipelined"] / exposed["serialized"],
         "kv_bytes": kv_bytes,
-        "transfer_s": transfer,
-        "effective_gbps": kv_bytes / transfer / 1e9,
+        "raw_gbps": raw_gbps,
+        "effective_gbps": effective_gbps,
+        "effective_over_raw": effective_gbps / raw_gbps,
         "ttft_alone_s": alone,
-        "ttft_serialized_s": serialized,
-        "ttft_pipelined_s": pipelined,
-        "exposed_serialized_s": statistics.median(r["exposed"] for r in rows["serialized"]),
-        "exposed_pipelined_s": statistics.median(r["exposed"] for r in rows["pipelined"]),
+        "ttft_serialized_s": ttft["serialized"],
+        "ttft_pipelined_s": ttft["pipelined"],
+        "overhead_serialized_s": ttft["serialized"] - alone,
+        "overhead_pipelined_s": ttft["pipelined"] - alone,
+        "exposed_serialized_s": exposed["serialized"],
+        "exposed_pipelined_s": exposed["pipelined"],
+        "hidden_fraction": 1 - exposed["pipelined"] / exposed["serialized"],
     }
 
 
@@ -140,9 +205,21 @@ def _prefill_alone(engine, prompt: list[int]) -> float:
     return time.perf_counter() - start
 
 
-def _remote_prefill(prefill, decode, prompt: list[int], request_id: str) -> dict:
+def _raw_send(channel, source: torch.Tensor, decode: DecodeProcess) -> float:
+    """Seconds to send one buffer, timed on the sender as the layered transfer is."""
+    decode.conn.send(("raw", None))
+    if decode._answer() != "posted":
+        raise RuntimeError("the decode process did not post its receive")
+    start = time.perf_counter()
+    channel.send(source, TIMEOUT)
+    seconds = time.perf_counter() - start
+    decode._answer()  # received
+    return seconds
+
+
+def _remote_prefill(prefill, decode: DecodeProcess, prompt: list[int], request_id: str) -> dict:
     request = WorkRequest(request_id, prompt, FIRST_TOKEN)
-    ticket = decode.reserve(request, prefill.worker_id).result(60)
+    ticket = decode.call("reserve", (request, prefill.worker_id))
     done = threading.Event()
     outcome = {}
 
@@ -152,13 +229,13 @@ def _remote_prefill(prefill, decode, prompt: list[int], request_id: str) -> dict
 
     start = time.perf_counter()
     prefill.submit(request, ticket, settle)
-    if not done.wait(300):
+    if not done.wait(TIMEOUT):
         raise TimeoutError("prefill did not finish")
     ttft = time.perf_counter() - start
     result = outcome["result"]
     if isinstance(result, Exception):
         raise result
-    decode.take_updates(timeout=5)  # admitted and finished at once (max_tokens=1)
+    decode.call("updates")
     return {
         "ttft": ttft,
         "bytes": result.bytes_sent,
@@ -243,12 +320,20 @@ def measure_interference(model: Path, args: argparse.Namespace) -> dict:
     return results
 
 
+def available_transports() -> list[str]:
+    ucx = importlib.util.find_spec("ucxx") is not None
+    return ["gloo", *(["ucx-shm", "ucx-tcp"] if ucx else [])]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", type=Path, default=None)
     parser.add_argument("--prompt-len", type=int, default=2048)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--transport", default="gloo")
+    parser.add_argument(
+        "--transports", nargs="+", default=None,
+        help="gloo, ucx, ucx-shm, ucx-tcp (default: gloo, and ucx-shm and ucx-tcp if installed)",
+    )  # fmt: skip
     parser.add_argument("--skip-interference", action="store_true")
     parser.add_argument("--num-short", type=int, default=6)
     parser.add_argument("--short-output", type=int, default=96)
@@ -262,9 +347,11 @@ def main() -> None:
         from engine.fetch import fetch_default_model
 
         args.model = fetch_default_model()
-    transfer = measure_transfer(args.model, args.prompt_len, args.repeats, args.transport)
-    report = {"transport": args.transport, "prompt_len": args.prompt_len, **transfer,
-              "effective_over_raw": transfer["effective_gbps"] / transfer["raw_gbps"]}  # fmt: skip
+    report: dict = {"prompt_len": args.prompt_len, "transports": {}}
+    for name in args.transports or available_transports():
+        report["transports"][name] = measure_transfer(
+            args.model, args.prompt_len, args.repeats, name
+        )
     if not args.skip_interference:
         report["interference"] = measure_interference(args.model, args)
     print_report(report)
@@ -274,18 +361,21 @@ def main() -> None:
 
 
 def print_report(r: dict) -> None:
-    print(f"\nKV transfer, {r['prompt_len']}-token prompts, transport {r['transport']}, "
-          f"{r['kv_bytes'] / 1e6:.1f} MB of KV per prompt")  # fmt: skip
-    print(f"{'raw bandwidth (one buffer)':<34}{r['raw_gbps']:>8.2f} GB/s")
-    print(f"{'effective KV bandwidth':<34}{r['effective_gbps']:>8.2f} GB/s"
-          f"   ({r['effective_over_raw']:.0%} of raw; target >= 80%)")  # fmt: skip
-    print(f"{'TTFT prefill alone':<34}{r['ttft_alone_s'] * 1e3:>8.0f} ms")
-    print(f"{'TTFT prefill, then send':<34}{r['ttft_serialized_s'] * 1e3:>8.0f} ms")
-    print(f"{'TTFT layer-pipelined':<34}{r['ttft_pipelined_s'] * 1e3:>8.0f} ms")
-    print(f"{'transfer left after prefill ends':<34}"
-          f"{r['exposed_serialized_s'] * 1e3:>8.1f} ms serialized, "
-          f"{r['exposed_pipelined_s'] * 1e3:.1f} ms pipelined: pipelining hides "
-          f"{r['hidden_fraction']:.0%} (target >= 80%)")  # fmt: skip
+    kv_mb = next(iter(r["transports"].values()))["kv_bytes"] / 1e6
+    print(f"\nKV transfer, {r['prompt_len']}-token prompts ({kv_mb:.1f} MB of KV), prefill "
+          "process -> decode process; medians")  # fmt: skip
+    header = ("transport", "raw GB/s", "eff GB/s", "eff/raw", "TTFT alone", "+serial",
+              "+pipelined", "exposed s/p", "hidden")  # fmt: skip
+    print(f"{header[0]:<10}" + "".join(f"{h:>12}" for h in header[1:]))
+    for name, t in r["transports"].items():
+        exposed = f"{t['exposed_serialized_s'] * 1e3:.1f}/{t['exposed_pipelined_s'] * 1e3:.1f}ms"
+        print(f"{name:<10}{t['raw_gbps']:>12.2f}{t['effective_gbps']:>12.2f}"
+              f"{t['effective_over_raw']:>12.0%}{t['ttft_alone_s'] * 1e3:>10.0f}ms"
+              f"{t['overhead_serialized_s'] * 1e3:>+10.0f}ms"
+              f"{t['overhead_pipelined_s'] * 1e3:>+10.0f}ms{exposed:>12}"
+              f"{t['hidden_fraction']:>12.0%}")  # fmt: skip
+    print("targets: eff/raw >= 80%; hidden (transfer left after prefill ends, pipelined vs "
+          "serialized) >= 80%")  # fmt: skip
     if "interference" not in r:
         return
     print(f"\n{'mixed workload':<16}{'TTFT p50':>10}{'TTFT p99':>10}{'ITL p50':>10}{'ITL p99':>10}")

@@ -100,8 +100,10 @@ class KVSender:
     def _run(self) -> None:
         while (job := self._jobs.get()) is not None:
             self._handle(job)
-            if self._jobs.empty():  # nothing else to post: let what is in flight finish
-                self._drain(0)
+            # Nothing else to post: retire sends oldest first, looking for new jobs after each,
+            # so a job that arrives meanwhile is posted behind what is in flight, not after it.
+            while self._inflight and self._jobs.empty():
+                self._drain(len(self._inflight) - 1)
         self._drain(0)
 
     def _handle(self, job: _Job) -> None:

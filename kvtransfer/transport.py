@@ -89,8 +89,8 @@ def make_transport(name: str, device: torch.device) -> Transport:
 
     if name == "auto":
         name = "nccl" if device.type == "cuda" else "gloo"
-    if name == "ucx":
-        import kvtransfer.ucx  # noqa: F401
+    if name.startswith("ucx"):
+        import kvtransfer.ucx  # noqa: F401  (ucx, ucx-shm, ucx-tcp; needs the ucxx package)
     if name not in TRANSPORTS:
         raise ValueError(
             f"unknown KV transport {name!r}; choose from auto, {', '.join(TRANSPORTS)}"
