@@ -47,13 +47,30 @@ def sample(logits: torch.Tensor, rows: list[SampleRow]) -> SamplerOutput:
         logits = logits.clone() if logits is raw else logits
         for i, row in enumerate(rows):
             logits[i, list(row.blocked_ids)] = float("-inf")
-    tokens = logits.argmax(dim=-1)
+    tokens = first_argmax(logits)
     random_rows = [i for i, row in enumerate(rows) if not row.params.greedy]
     if random_rows:
         picked = _sample_random(logits[random_rows], [rows[i] for i in random_rows])
         tokens[random_rows] = picked
     token_ids = tokens.tolist()
     return SamplerOutput(token_ids, _logprobs(raw, rows, token_ids))
+
+
+ARGMAX_SPAN = 128
+
+
+def first_argmax(logits: torch.Tensor) -> torch.Tensor:
+    """`logits.argmax(-1)` (the first index of each row's maximum), in two short passes: the
+    maximum of every span of 128, then the argmax over span maxima and inside the winning span.
+    A CPU argmax over a whole vocabulary row runs about 20 times slower than a max. NaN ranks
+    above everything in both passes, as in argmax."""
+    rows, vocab = logits.shape
+    if logits.device.type != "cpu" or vocab % ARGMAX_SPAN:
+        return logits.argmax(dim=-1)
+    spans = logits.view(rows, vocab // ARGMAX_SPAN, ARGMAX_SPAN)
+    span = spans.amax(dim=-1).argmax(dim=-1)  # the first span holding the row's maximum
+    inside = spans[torch.arange(rows), span].argmax(dim=-1)
+    return span * ARGMAX_SPAN + inside
 
 
 def apply_penalties(logits: torch.Tensor, row: SampleRow) -> None:

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from engine.llm import LLM
-from engine.sampler import SampleRow, filtered_probs, sample
+from engine.sampler import SampleRow, filtered_probs, first_argmax, sample
 from engine.sampling_params import SamplingError, SamplingParams
 
 
@@ -127,3 +127,16 @@ def test_logprobs_are_returned(llm, prompts) -> None:
 def test_bad_params_name_the_parameter(options: dict, name: str) -> None:
     with pytest.raises(SamplingError, match=name):
         SamplingParams(**options)
+
+
+def test_first_argmax_is_argmax_with_ties_infinities_and_nan() -> None:
+    generator = torch.Generator().manual_seed(0)
+    for trial in range(60):
+        logits = torch.randint(-3, 4, (7, 128 * 3), generator=generator).float()  # many ties
+        logits[0] = float("-inf")
+        logits[1, (trial * 53) % 384] = float("inf")
+        if trial % 2:
+            logits[2 + trial % 5, (trial * 37) % 384] = float("nan")
+        assert torch.equal(first_argmax(logits), logits.argmax(dim=-1)), trial
+    odd_vocab = torch.randn(3, 1000, generator=generator)  # not a multiple of the span
+    assert torch.equal(first_argmax(odd_vocab), odd_vocab.argmax(dim=-1))
