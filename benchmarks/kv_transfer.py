@@ -70,13 +70,13 @@ class DecodeProcess:
             target=_decode_main, args=(config, transport_name, raw_bytes, child), daemon=True
         )
         self.process.start()
-        self.raw_endpoint = self._answer()
+        self.raw_endpoint = self.answer()
 
     def call(self, command: str, arg=None):
         self.conn.send((command, arg))
-        return self._answer()
+        return self.answer()
 
-    def _answer(self):
+    def answer(self):
         deadline = time.monotonic() + TIMEOUT
         while not self.conn.poll(1.0):
             if not self.process.is_alive():
@@ -207,13 +207,12 @@ def _prefill_alone(engine, prompt: list[int]) -> float:
 
 def _raw_send(channel, source: torch.Tensor, decode: DecodeProcess) -> float:
     """Seconds to send one buffer, timed on the sender as the layered transfer is."""
-    decode.conn.send(("raw", None))
-    if decode._answer() != "posted":
+    if decode.call("raw") != "posted":
         raise RuntimeError("the decode process did not post its receive")
     start = time.perf_counter()
     channel.send(source, TIMEOUT)
     seconds = time.perf_counter() - start
-    decode._answer()  # received
+    decode.answer()  # received
     return seconds
 
 
