@@ -25,7 +25,7 @@ def load_model(model_cfg: ModelConfig, dtype: torch.dtype, device: str) -> Causa
     load_weights(model, model_cfg.path)
     model.rope.to(dtype, device)
     if can_pack(dtype, torch.device(device)):
-        pack_linears(model)
+        pack_linears(model, dtype)
     return model.eval()
 
 

@@ -22,7 +22,13 @@ from types import ModuleType
 log = logging.getLogger(__name__)
 SOURCES = [
     Path(__file__).parent / "csrc" / name
-    for name in ("module.cpp", "decode_attention.cpp", "norm_rope.cpp", "cache_mlp.cpp")
+    for name in (
+        "module.cpp",
+        "decode_attention.cpp",
+        "norm_rope.cpp",
+        "cache_mlp.cpp",
+        "linear_amx.cpp",
+    )
 ]
 
 

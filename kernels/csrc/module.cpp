@@ -9,6 +9,10 @@ torch::Tensor rotary(torch::Tensor x, torch::Tensor cos, torch::Tensor sin);
 void store_kv(torch::Tensor key, torch::Tensor value, torch::Tensor key_cache,
               torch::Tensor value_cache, torch::Tensor slot_mapping);
 torch::Tensor silu_and_mul(torch::Tensor x);
+bool amx_available();
+torch::Tensor amx_pack_weight(torch::Tensor weight);
+torch::Tensor amx_linear(torch::Tensor x, torch::Tensor packed, int64_t n,
+                         c10::optional<torch::Tensor> bias);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode_attention", &decode_attention, "paged decode attention over the KV cache");
@@ -16,4 +20,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rotary", &rotary, "rotary embedding of each head (rotate-half layout)");
   m.def("store_kv", &store_kv, "write new K/V rows into the paged cache at their slots");
   m.def("silu_and_mul", &silu_and_mul, "SiLU of the first half times the second half");
+  m.def("amx_available", &amx_available, "whether this CPU (and build) has the AMX bf16 unit");
+  m.def("amx_pack_weight", &amx_pack_weight, "a bf16 [N, K] weight in amx_linear's layout");
+  m.def("amx_linear", &amx_linear, "x [<=16, K] bf16 times a packed weight, on AMX tiles");
 }
