@@ -31,6 +31,11 @@ class RMSNorm(nn.Module):
             return ops.rms_norm(x, self.weight, self.eps)
         return ops.rms_norm(x.reshape(-1, x.shape[-1]), self.weight, self.eps).view(x.shape)
 
+    def add_and_norm(
+        self, x: torch.Tensor, residual: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # (this norm of x + residual, x + residual); [N, size]
+        return ops.fused_add_rms_norm(x, residual, self.weight, self.eps)
+
 
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
@@ -53,9 +58,9 @@ class Attention(nn.Module):
     ) -> torch.Tensor:  # [N, hidden]
         qkv = self.qkv_proj(x).view(-1, self.num_heads + 2 * self.kv_heads, self.head_dim)
         heads = self.num_heads + self.kv_heads
-        if self.q_norm is None:
-            q = ops.rotary(qkv[:, : self.num_heads], *rope)
-            k = ops.rotary(qkv[:, self.num_heads : heads], *rope)
+        if self.q_norm is None:  # q and k heads sit side by side: one rotary call for both
+            qk = ops.rotary(qkv[:, :heads], *rope)
+            q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
         else:
             q = ops.rotary(self.q_norm(qkv[:, : self.num_heads]), *rope)
             k = ops.rotary(self.k_norm(qkv[:, self.num_heads : heads]), *rope)
@@ -111,14 +116,21 @@ class DecoderLayer(nn.Module):
 
     def forward(
         self,
-        x: torch.Tensor,
+        x: torch.Tensor,  # [N, hidden]: the previous layer's output, or the embeddings
+        residual: torch.Tensor | None,  # the residual stream before x is added; None at layer 0
         batch: ForwardBatch,
         kv_cache: tuple[torch.Tensor, torch.Tensor],
         rope: tuple[torch.Tensor, torch.Tensor],
-    ) -> torch.Tensor:
-        x = x + self.attn(self.input_norm(x), batch, kv_cache, rope)
-        gate_up = self.gate_up_proj(self.post_attn_norm(x))
-        return x + self.down_proj(ops.silu_and_mul(gate_up))
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # this layer's output, the residual stream
+        """The residual adds ride in the norms that follow them (one pass each on CPU and CUDA),
+        rounded exactly as `residual + x` would be."""
+        if residual is None:
+            h, residual = self.input_norm(x), x
+        else:
+            h, residual = self.input_norm.add_and_norm(x, residual)
+        h = self.attn(h, batch, kv_cache, rope)
+        h, residual = self.post_attn_norm.add_and_norm(h, residual)
+        return self.down_proj(ops.silu_and_mul(self.gate_up_proj(h))), residual
 
 
 class CausalLM(nn.Module):
@@ -141,12 +153,14 @@ class CausalLM(nn.Module):
         """Runs every row; returns logits [S, vocab] (model dtype) for the logits_indices rows.
         `on_layer(i)` runs as soon as layer i has written its KV and produced its output."""
         x = self.embed_tokens(batch.input_ids)
+        residual = None
         rope = self.rope.lookup(batch.positions)
         for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
-            x = layer(x, batch, kv_cache, rope)
+            x, residual = layer(x, residual, batch, kv_cache, rope)
             if on_layer is not None:
                 on_layer(i)
-        x = self.norm(x[batch.logits_indices])
+        rows = batch.logits_indices
+        x, _ = self.norm.add_and_norm(x[rows], residual[rows])
         return self.lm_head(x)
 
     def checkpoint_sources(self) -> dict[str, list[tuple[str, int]]]:

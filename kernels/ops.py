@@ -107,10 +107,13 @@ def fused_add_rms_norm(
     x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(rms_norm(x + residual), x + residual); x, residual: [N, D], weight: [D]. One pass on
-    CUDA; elsewhere the add, then `rms_norm` (the C++ kernel on CPU)."""
+    CUDA and with the C++ kernels on CPU; elsewhere the add, then `rms_norm`."""
     gpu = _triton(x, "rms_norm")
     if gpu is not None and x.stride(-1) == 1 and residual.stride(-1) == 1:
         return gpu.fused_add_rms_norm(x, residual, weight, eps)
+    native = _native(x)
+    if native is not None and x.stride(-1) == 1:
+        return native.add_rms_norm(x, residual, weight, eps)
     summed = x + residual
     return rms_norm(summed, weight, eps), summed
 

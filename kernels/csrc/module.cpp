@@ -5,6 +5,8 @@ torch::Tensor decode_attention(torch::Tensor query, torch::Tensor key_cache,
                                torch::Tensor value_cache, torch::Tensor block_tables,
                                torch::Tensor context_lens, double scale);
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps);
+std::tuple<torch::Tensor, torch::Tensor> add_rms_norm(torch::Tensor x, torch::Tensor residual,
+                                                      torch::Tensor weight, double eps);
 torch::Tensor rotary(torch::Tensor x, torch::Tensor cos, torch::Tensor sin);
 void store_kv(torch::Tensor key, torch::Tensor value, torch::Tensor key_cache,
               torch::Tensor value_cache, torch::Tensor slot_mapping);
@@ -17,6 +19,7 @@ torch::Tensor amx_linear(torch::Tensor x, torch::Tensor packed, int64_t n,
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode_attention", &decode_attention, "paged decode attention over the KV cache");
   m.def("rms_norm", &rms_norm, "RMSNorm of each row");
+  m.def("add_rms_norm", &add_rms_norm, "(RMSNorm of x + residual, x + residual), one pass");
   m.def("rotary", &rotary, "rotary embedding of each head (rotate-half layout)");
   m.def("store_kv", &store_kv, "write new K/V rows into the paged cache at their slots");
   m.def("silu_and_mul", &silu_and_mul, "SiLU of the first half times the second half");

@@ -15,13 +15,22 @@ inline T round_to(float value) {
   return static_cast<T>(value);
 }
 
+// With a `residual`, each row of x + residual is first rounded into `summed` (the residual
+// stream's add, as torch rounds it) and normalised from there.
 template <typename T>
-void rms_norm_kernel(const T* x, const T* weight, T* out, int64_t rows, int64_t dim,
-                     int64_t row_stride, float eps) {
+void rms_norm_kernel(const T* x, const T* residual, T* summed, const T* weight, T* out,
+                     int64_t rows, int64_t dim, int64_t row_stride, float eps) {
   // Rows in parallel on torch's thread pool; a decode batch is one chunk, run inline.
   at::parallel_for(0, rows, kRowsPerTask, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       const T* xr = x + r * row_stride;
+      if (residual != nullptr) {
+        const T* res = residual + r * dim;
+        T* sum_row = summed + r * dim;
+        for (int64_t d = 0; d < dim; ++d)
+          sum_row[d] = round_to<T>(static_cast<float>(xr[d]) + static_cast<float>(res[d]));
+        xr = sum_row;
+      }
       float sum = 0.f;
   #pragma omp simd reduction(+ : sum)
       for (int64_t d = 0; d < dim; ++d) {
@@ -77,11 +86,31 @@ torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps) {
   auto w = weight.contiguous();
   auto out = torch::empty({x.size(0), x.size(1)}, x.options());
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "rms_norm", [&] {
-    rms_norm_kernel<scalar_t>(x.data_ptr<scalar_t>(), w.data_ptr<scalar_t>(),
+    rms_norm_kernel<scalar_t>(x.data_ptr<scalar_t>(), nullptr, nullptr, w.data_ptr<scalar_t>(),
                               out.data_ptr<scalar_t>(), x.size(0), x.size(1), x.stride(0),
                               static_cast<float>(eps));
   });
   return out;
+}
+
+std::tuple<torch::Tensor, torch::Tensor> add_rms_norm(torch::Tensor x, torch::Tensor residual,
+                                                      torch::Tensor weight, double eps) {
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, "x must be [N, D] with contiguous rows");
+  TORCH_CHECK(residual.sizes() == x.sizes() && residual.scalar_type() == x.scalar_type(),
+              "residual must match x");
+  TORCH_CHECK(weight.dim() == 1 && weight.size(0) == x.size(1), "weight must be [D]");
+  TORCH_CHECK(weight.scalar_type() == x.scalar_type(), "x and weight dtypes differ");
+  auto res = residual.contiguous();
+  auto w = weight.contiguous();
+  auto summed = torch::empty({x.size(0), x.size(1)}, x.options());
+  auto out = torch::empty({x.size(0), x.size(1)}, x.options());
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "add_rms_norm", [&] {
+    rms_norm_kernel<scalar_t>(x.data_ptr<scalar_t>(), res.data_ptr<scalar_t>(),
+                              summed.data_ptr<scalar_t>(), w.data_ptr<scalar_t>(),
+                              out.data_ptr<scalar_t>(), x.size(0), x.size(1), x.stride(0),
+                              static_cast<float>(eps));
+  });
+  return {out, summed};
 }
 
 torch::Tensor rotary(torch::Tensor x, torch::Tensor cos, torch::Tensor sin) {
