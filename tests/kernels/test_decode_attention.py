@@ -52,3 +52,21 @@ def test_rejects_mismatched_heads() -> None:
     query, key_cache, value_cache, tables, lens = paged_case(1, 3, 2, [5], torch.float32)
     with pytest.raises(RuntimeError, match="multiple of KV heads"):
         native.decode_attention(query, key_cache, value_cache, tables, lens, 0.2)
+
+
+@pytest.mark.parametrize("head_dim", [32, 64])
+def test_bf16_rows_do_not_depend_on_their_batch(head_dim: int) -> None:
+    # A large batch runs a task per sequence, a small one a task per (sequence, KV head): the
+    # two schedules must give the same bits, or batching would change tokens.
+    lens = [1, 7, BS, 2 * BS + 1, 13, 30]
+    case = paged_case(len(lens), 6, 2, lens, torch.bfloat16, head_dim=head_dim)
+    query, key_cache, value_cache, tables, lens_t = case
+    together = native.decode_attention(*case, 0.125)
+    want = decode_attention_ref(*case, scale=0.125)
+    torch.testing.assert_close(together.float(), want.float(), rtol=2e-2, atol=2e-2)
+    for row in range(len(lens)):
+        alone = native.decode_attention(
+            query[row : row + 1], key_cache, value_cache, tables[row : row + 1],
+            lens_t[row : row + 1], 0.125,
+        )  # fmt: skip
+        assert torch.equal(alone, together[row : row + 1])

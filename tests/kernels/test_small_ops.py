@@ -85,3 +85,24 @@ def test_pack_then_unpack_moves_exactly_the_slots():
     untouched = torch.ones(24, dtype=torch.bool)
     untouched[dest] = False
     assert not dst_k.view(-1, 2, 8)[untouched].any()
+
+
+def test_bf16_silu_and_mul_at_the_edges_of_exp() -> None:
+    from kernels.silu_and_mul import silu_and_mul_ref
+
+    # Gates far past exp's float range give -0 (torch's answer), never NaN.
+    gate = torch.tensor([-1000.0, -100.0, -89.0, -5.0, 0.0, 5.0, 88.0, 1000.0])
+    x = torch.cat([gate, torch.full_like(gate, 3.0)]).view(1, -1).bfloat16()
+    got = native.silu_and_mul(x)
+    assert not got.isnan().any()
+    assert torch.equal(got, silu_and_mul_ref(x))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_add_rms_norm_is_the_add_then_the_norm(dtype: torch.dtype) -> None:
+    gen = torch.Generator().manual_seed(2)
+    x, residual = (torch.randn(5, 96, generator=gen).to(dtype) for _ in range(2))
+    weight = torch.randn(96, generator=gen).to(dtype)
+    normed, summed = native.add_rms_norm(x, residual, weight, 1e-6)
+    assert torch.equal(summed, x + residual)  # rounded exactly as torch rounds the add
+    assert torch.equal(normed, native.rms_norm(x + residual, weight, 1e-6))
