@@ -29,46 +29,11 @@ void silu_and_mul_kernel(const T* x, T* out, int64_t rows, int64_t width) {
       T* o = out + r * width;
       for (int64_t i = 0; i < width; ++i) {
         const float g = static_cast<float>(gate[i]);
-        const T activated = static_cast<T>(g / (1.f + std::exp(-g)));
-        o[i] = static_cast<T>(static_cast<float>(activated) * static_cast<float>(up[i]));
-      }
-    }
-  });
-}
-
-// bf16 <-> float on raw bits, written so the compiler vectorizes whole rows (c10's scalar
-// conversions do not): widening is a shift, narrowing rounds to nearest even like c10, NaN to
-// a quiet NaN.
-inline float bf16_bits_to_float(uint16_t bits) {
-  const uint32_t wide = static_cast<uint32_t>(bits) << 16;
-  float value;
-  std::memcpy(&value, &wide, sizeof(value));
-  return value;
-}
-
-inline uint16_t float_to_bf16_bits(float value) {
-  uint32_t bits;
-  std::memcpy(&bits, &value, sizeof(bits));
-  if ((bits & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;
-  return static_cast<uint16_t>((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
-}
-
-template <>
-void silu_and_mul_kernel<c10::BFloat16>(const c10::BFloat16* x, c10::BFloat16* out, int64_t rows,
-                                        int64_t width) {
-  at::parallel_for(0, rows, kRowsPerTask, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) {
-      const uint16_t* gate = reinterpret_cast<const uint16_t*>(x + r * 2 * width);
-      const uint16_t* up = gate + width;
-      uint16_t* o = reinterpret_cast<uint16_t*>(out + r * width);
-#pragma omp simd
-      for (int64_t i = 0; i < width; ++i) {
-        const float g = bf16_bits_to_float(gate[i]);
-        // Past -88.7, exp(-g) overflows float and silu(g) rounds to -0, as torch computes it; the
-        // finite-math vector exp must not see that range.
+        // Past -88.7, exp(-g) overflows float and silu(g) is -0, as torch computes it; the
+        // finite-math exp of -ffast-math must not see that range (it returns NaN there).
         const float silu = -g > kExpLimit ? -0.f : g / (1.f + std::exp(std::min(-g, kExpLimit)));
-        const float activated = bf16_bits_to_float(float_to_bf16_bits(silu));
-        o[i] = float_to_bf16_bits(activated * bf16_bits_to_float(up[i]));
+        const T activated = static_cast<T>(silu);
+        o[i] = static_cast<T>(static_cast<float>(activated) * static_cast<float>(up[i]));
       }
     }
   });

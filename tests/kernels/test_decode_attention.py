@@ -56,8 +56,8 @@ def test_rejects_mismatched_heads() -> None:
 
 @pytest.mark.parametrize("head_dim", [32, 64])
 def test_bf16_rows_do_not_depend_on_their_batch(head_dim: int) -> None:
-    # A large batch runs a task per sequence, a small one a task per (sequence, KV head): the
-    # two schedules must give the same bits, or batching would change tokens.
+    # Each sequence's result must not depend on what else is in the batch, or batching would
+    # change tokens.
     lens = [1, 7, BS, 2 * BS + 1, 13, 30]
     case = paged_case(len(lens), 6, 2, lens, torch.bfloat16, head_dim=head_dim)
     query, key_cache, value_cache, tables, lens_t = case
