@@ -51,10 +51,12 @@ class PackedLinear(nn.Module):
         self.bias = linear.bias.data if linear.bias is not None else None
         self.amx = amx
         self.amx_packed = amx.amx_pack_weight(weight) if amx is not None else None
+        # The AMX kernel adds the bias in float32, before its one rounding to bf16.
+        self.amx_bias = self.bias.float() if self.bias is not None else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [N, in_features]
         if self.amx is not None and x.shape[0] <= AMX_MAX_ROWS:
-            return self.amx.amx_linear(x, self.amx_packed, self.out_features, self.bias)
+            return self.amx.amx_linear(x, self.amx_packed, self.out_features, self.amx_bias)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
 
 

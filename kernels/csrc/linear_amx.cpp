@@ -143,7 +143,8 @@ torch::Tensor amx_pack_weight(torch::Tensor weight) {
   return packed;
 }
 
-// x [M <= 16, K] bf16 times the packed weight of an [N, K] linear, plus an optional bf16 bias.
+// x [M <= 16, K] bf16 times the packed weight of an [N, K] linear, plus an optional bias given
+// in float32 (converted once, at load time, not on every call).
 torch::Tensor amx_linear(torch::Tensor x, torch::Tensor packed, int64_t n,
                          c10::optional<torch::Tensor> bias) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16, "bf16 [M, K] input");
@@ -162,10 +163,10 @@ torch::Tensor amx_linear(torch::Tensor x, torch::Tensor packed, int64_t n,
   const auto* a_ptr = a.data_ptr<at::BFloat16>();
   const auto* w = packed.data_ptr<at::BFloat16>();
   const float* bias_ptr = nullptr;
-  torch::Tensor bias_f32;
   if (bias) {
-    bias_f32 = bias->to(at::kFloat).contiguous();
-    bias_ptr = bias_f32.data_ptr<float>();
+    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == n,
+                "bias must be a contiguous float32 [N]");
+    bias_ptr = bias->data_ptr<float>();
   }
   auto* o = out.data_ptr<at::BFloat16>();
   const int64_t group_cols = kGroupTiles * kTileN;
