@@ -24,6 +24,7 @@ test: setup lint
 lint: setup
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/lint-imports
 
 format: setup
 	$(VENV)/bin/ruff check --fix .

@@ -34,7 +34,7 @@ def make_prompts(count: int, length: int) -> list[list[int]]:
 
 def bench_tandem(model: Path, args: argparse.Namespace) -> list[dict]:
     from engine.llm import LLM
-    from engine.sampling_params import SamplingParams
+    from protocol.sampling import SamplingParams
 
     # Prefix caching off: the timed run must prefill for real after the warm-up.
     llm = LLM(

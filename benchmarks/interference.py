@@ -24,7 +24,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from coordinator import cli  # noqa: E402
+from cli import main as cli  # noqa: E402
 from loadtest.compare import compare_table  # noqa: E402
 from loadtest.results import Record, load_record  # noqa: E402
 from loadtest.serve_process import ServeProcess  # noqa: E402

@@ -41,8 +41,8 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 
 from engine.config import EngineConfig  # noqa: E402
-from engine.requests import WorkRequest  # noqa: E402
-from engine.sampling_params import SamplingParams  # noqa: E402
+from protocol.messages import WorkRequest  # noqa: E402
+from protocol.sampling import SamplingParams  # noqa: E402
 
 FIRST_TOKEN = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
 TIMEOUT = 120.0
@@ -137,12 +137,12 @@ def measure_transfer(model: Path, prompt_len: int, repeats: int, transport_name:
     machine's load hits all of them alike; medians over the rounds after a warm-up round."""
     from engine.engine import LLMEngine
     from kvtransfer.transport import make_transport
-    from prefill.worker import PrefillWorker, kv_layout
+    from prefill.worker import PrefillWorker
 
     config = transfer_config(model, prompt_len)
     transport = make_transport(transport_name, torch.device("cpu"))
     alone_engine = LLMEngine(config)
-    raw_bytes = kv_layout(alone_engine).bytes_for(prompt_len)
+    raw_bytes = alone_engine.kv_layout.bytes_for(prompt_len)
     decode = DecodeProcess(config, transport_name, raw_bytes)
     prefills = {
         "serialized": PrefillWorker("p-serialized", config, transport, TIMEOUT, False),
@@ -231,15 +231,15 @@ def _remote_prefill(prefill, decode: DecodeProcess, prompt: list[int], request_i
     if not done.wait(TIMEOUT):
         raise TimeoutError("prefill did not finish")
     ttft = time.perf_counter() - start
-    result = outcome["result"]
-    if isinstance(result, Exception):
-        raise result
+    report = outcome["result"]
+    if isinstance(report, Exception):
+        raise report
     decode.call("updates")
     return {
         "ttft": ttft,
-        "bytes": result.bytes_sent,
-        "transfer": result.transfer_seconds,
-        "exposed": result.exposed_seconds,
+        "bytes": report.result.bytes_sent,
+        "transfer": report.trace.transfer_seconds,
+        "exposed": report.trace.exposed_seconds,
     }
 
 

@@ -14,45 +14,27 @@ from __future__ import annotations
 
 import logging
 import os
-from dataclasses import dataclass
 from typing import Any
 
 import ray
 
 from coordinator.coordinator import Coordinator, CoordinatorConfig
-from decode.actor import DecodeActor
-from engine.config import ConfigError, EngineConfig, ModelConfig
+from coordinator.deploy import DeployConfig
+from engine.config import EngineConfig, ModelConfig
 from engine.tokenizer import Tokenizer
-from prefill.actor import PrefillActor
 
 log = logging.getLogger(__name__)
-MODES = ("disaggregated", "colocated")
-
-
-@dataclass(frozen=True)
-class DeployConfig:
-    mode: str = "disaggregated"
-    num_prefill: int = 1
-    num_decode: int = 1
-    address: str | None = None  # Ray cluster to join; None starts a local one
-    kv_transport: str = "auto"  # auto | gloo | nccl | ucx
-    transfer_timeout: float = 60.0  # seconds a reservation waits for its KV (a lease)
-    local_prefill_threshold: int = 0  # tokens; shorter uncached prompts prefill on decode
-    threads_per_worker: int | None = None  # CPU only; default: cores / workers
-    model_name: str | None = None  # served id; default: the model folder's name
-
-    def __post_init__(self) -> None:
-        if self.mode not in MODES:
-            raise ConfigError(f"mode must be one of {', '.join(MODES)}, not {self.mode!r}")
-        if self.num_decode < 1 or self.num_prefill < (self.mode == "disaggregated"):
-            raise ConfigError("disaggregated mode needs at least one prefill and one decode worker")
 
 
 def connect_ray(address: str | None, num_cpus: int | None = None) -> None:
+    """Joins the Ray cluster at `address`, or starts a local one when it is None.
+
+    Only the local cluster, which this process starts and owns, runs without token auth; joining
+    a remote cluster keeps whatever auth mode that cluster and the environment ask for."""
     if ray.is_initialized():
         return
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     if address is None:
+        os.environ.setdefault("RAY_AUTH_MODE", "disabled")
         ray.init(
             address="local",
             include_dashboard=False,
@@ -85,6 +67,10 @@ def build_client(engine: EngineConfig, deploy: DeployConfig) -> Coordinator:
 
 
 def place_workers(engine: EngineConfig, deploy: DeployConfig) -> tuple[dict, dict]:
+    # The actor classes load torch and the model stack: imported here, where workers are
+    # placed, so the coordinator process itself never loads them.
+    from prefill.actor import PrefillActor
+
     total = deploy.num_prefill + deploy.num_decode
     threads = deploy.threads_per_worker or max(1, (os.cpu_count() or 1) // total)
     args = (engine, deploy.kv_transport, deploy.transfer_timeout, threads)
@@ -109,6 +95,8 @@ def place_workers(engine: EngineConfig, deploy: DeployConfig) -> tuple[dict, dic
 
 
 def _decode_actor(worker_id: str, args: tuple, engine: EngineConfig, pool: str | None) -> Any:
+    from decode.actor import DecodeActor
+
     return (
         ray.remote(DecodeActor)
         .options(**_placement(engine, pool))

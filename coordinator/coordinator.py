@@ -25,14 +25,13 @@ from ray.exceptions import RayActorError
 
 from coordinator.request_state import TrackedRequest
 from coordinator.router import NoWorkerError, Route, Router
-from coordinator.stats import WorkerStats
-from engine.async_engine import EngineDeadError
-from engine.engine import check_prompt
-from engine.outputs import RequestOutput
-from engine.requests import TokenUpdate, WorkRequest
-from engine.sampling_params import SamplingParams
+from engine.outputs import RequestOutput, read_stream
 from engine.tokenizer import Tokenizer
-from prefill.worker import PrefillResult
+from protocol.errors import EngineDeadError, RequestFailedError
+from protocol.limits import ModelLimits
+from protocol.messages import PrefillResult, RequestFailed, WorkerUpdate, WorkRequest
+from protocol.sampling import SamplingParams
+from protocol.stats import WorkerStats
 
 log = logging.getLogger(__name__)
 MAX_ATTEMPTS = 4
@@ -66,6 +65,7 @@ class Coordinator:
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
+        self.limits = ModelLimits(max_model_len, vocab_size)
         self.eos_ids = eos_ids
         self.prefill = prefill
         self.decode = decode
@@ -86,6 +86,7 @@ class Coordinator:
             *(self._call(w.ping, timeout=600.0) for w in workers.values())
         )
         self.max_model_len = min([self.max_model_len, *limits])
+        self.limits = ModelLimits(self.max_model_len, self.vocab_size)
         self._tasks = [asyncio.create_task(self._poll(w)) for w in self.decode]
         self._tasks.append(asyncio.create_task(self._refresh_stats()))
         await self._refresh_once()
@@ -100,8 +101,10 @@ class Coordinator:
             with contextlib.suppress(Exception):
                 ray.kill(worker)
 
-    def check_request(self, prompt_ids: list[int]) -> None:
-        check_prompt(prompt_ids, self.max_model_len, self.vocab_size)
+    def check_request(self, prompt_ids: list[int], params: SamplingParams | None = None) -> None:
+        self.limits.check_prompt(prompt_ids)
+        if params is not None:
+            self.limits.check_params(params)
 
     def stats(self) -> list[WorkerStats]:
         return list(self._stats.values())
@@ -109,18 +112,13 @@ class Coordinator:
     async def generate(
         self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None
     ) -> AsyncIterator[RequestOutput]:
-        self.check_request(prompt_ids)
+        self.check_request(prompt_ids, params)
         request_id = request_id or f"req-{next(self._ids)}"
         request = TrackedRequest(request_id, list(prompt_ids), params, self.tokenizer)
         driver = asyncio.create_task(self._drive(request))
         try:
-            while True:
-                item = await request.stream.get()
-                if isinstance(item, BaseException):
-                    raise item
-                yield item
-                if item.finished:
-                    return
+            async for output in read_stream(request.stream):
+                yield output
         finally:
             if not driver.done():
                 driver.cancel()
@@ -166,13 +164,16 @@ class Coordinator:
                     self.prefill[route.prefill_id].prefill, work, ticket,
                     timeout=self.config.prefill_timeout,
                 )  # fmt: skip
+            except RequestFailedError as err:  # this request broke the worker's step: no retry
+                request.fail(RequestFailedError(_brief(err)))
+                return
             except Exception as err:
                 self._note_failure(route.prefill_id, err)
                 request.lose(f"prefill on {route.prefill_id} failed: {_brief(err)}")
                 return
             finally:
                 self.router.prefilled(route, len(work.token_ids))
-            if result.token_id not in self._stoppers(request.params):
+            if result.token_id not in request.params.stop_ids(self.eos_ids):
                 request.accept_first(len(work.output_ids), result.token_id, result.logprobs)
         await request.ended.wait()
 
@@ -213,12 +214,6 @@ class Coordinator:
                 with contextlib.suppress(Exception):
                     await self._call(pool[worker_id].abort, work.request_id, timeout=5.0)
 
-    def _stoppers(self, params: SamplingParams) -> set[int]:
-        stoppers = set(params.stop_token_ids)
-        if not params.ignore_eos:
-            stoppers |= self.eos_ids
-        return stoppers
-
     # -- decode workers --------------------------------------------------------------------
 
     async def _poll(self, decode_id: str) -> None:
@@ -238,9 +233,15 @@ class Coordinator:
             for update in updates:
                 self._dispatch(decode_id, update)
 
-    def _dispatch(self, decode_id: str, update: TokenUpdate) -> None:
+    def _dispatch(self, decode_id: str, update: WorkerUpdate) -> None:
         request = self._requests.get(update.request_id)
         if request is None:  # an attempt that already ended
+            return
+        if isinstance(update, RequestFailed):
+            if update.retry:
+                request.lose(update.reason)
+            else:
+                request.fail(RequestFailedError(update.reason))
             return
         if request.accept(update):  # a stop string ended it: stop the worker too
             worker = self.decode[decode_id]

@@ -11,12 +11,10 @@ import asyncio
 
 from coordinator.router import Route
 from engine.output_processor import RequestState
-from engine.outputs import RequestOutput, SeqUpdate
-from engine.requests import TokenUpdate, WorkRequest
-from engine.sampler import TokenLogprobs
-from engine.sampling_params import SamplingParams
-from engine.sequence import FinishReason
+from engine.outputs import RequestOutput, StreamFailed
 from engine.tokenizer import Tokenizer
+from protocol.messages import TokenUpdate, WorkRequest
+from protocol.sampling import FinishReason, SamplingParams, TokenLogprobs
 
 
 class TrackedRequest:
@@ -28,7 +26,7 @@ class TrackedRequest:
         self.params = params
         self.frontend = RequestState(request_id, prompt_ids, params, tokenizer)
         self.output_ids: list[int] = []
-        self.stream: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        self.stream: asyncio.Queue[RequestOutput | StreamFailed] = asyncio.Queue()
         self.attempt = 0
         self.route: Route | None = None
         self.ended = asyncio.Event()  # finished, or lost by its current worker
@@ -61,9 +59,6 @@ class TrackedRequest:
     def accept(self, update: TokenUpdate) -> bool:
         """Folds a worker's update in; True if a stop string ended the request (the caller
         then aborts it on its worker)."""
-        if update.error is not None:
-            self.lose(update.error)
-            return False
         skip = len(self.output_ids) - update.first_index
         if skip < 0:  # a gap: cannot happen with in-order workers; treat as a lost worker
             self.lose(f"token {len(self.output_ids)} never arrived")
@@ -89,16 +84,16 @@ class TrackedRequest:
         stop_token_id: int | None,
     ) -> bool:
         self.output_ids.extend(token_ids)
-        update = SeqUpdate(
+        update = TokenUpdate(
             request_id=self.request_id,
-            new_token_ids=token_ids,
-            new_logprobs=logprobs,
+            first_index=len(self.output_ids) - len(token_ids),
+            token_ids=token_ids,
+            logprobs=logprobs,
             finish_reason=finish_reason,
             stop_token_id=stop_token_id,
             num_prompt_tokens=len(self.prompt_ids),
             num_cached_tokens=self.num_cached_tokens,
             queue_seconds=self.queue_seconds,
-            num_output_tokens=len(self.output_ids),
         )
         output, stop_string_hit = self.frontend.apply(update)
         self.stream.put_nowait(output)
@@ -106,6 +101,6 @@ class TrackedRequest:
             self.ended.set()
         return stop_string_hit
 
-    def fail(self, err: BaseException) -> None:
-        self.stream.put_nowait(err)
+    def fail(self, err: Exception) -> None:
+        self.stream.put_nowait(StreamFailed(err))
         self.ended.set()

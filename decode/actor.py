@@ -7,12 +7,12 @@ import asyncio
 import ray
 import torch
 
-from coordinator.stats import WorkerStats
 from decode.worker import DecodeWorker
 from engine.config import EngineConfig
-from engine.requests import TokenUpdate, WorkRequest
-from kvtransfer.ticket import Ticket
 from kvtransfer.transport import make_transport
+from protocol.kv import Ticket
+from protocol.messages import WorkerUpdate, WorkRequest
+from protocol.stats import WorkerStats
 
 
 class DecodeActor:
@@ -47,7 +47,7 @@ class DecodeActor:
     async def abort(self, request_id: str) -> bool:
         return await asyncio.wrap_future(self.worker.abort(request_id))
 
-    async def updates(self, timeout: float) -> list[TokenUpdate]:
+    async def updates(self, timeout: float) -> list[WorkerUpdate]:
         """Long poll: every token update since the last call, for all requests at once."""
         return await asyncio.to_thread(self.worker.take_updates, timeout)
 

@@ -7,7 +7,11 @@
     add_local(request)                         short prompts: prefilled here, chunked into steps
 
 A reservation is a lease: if its KV has not arrived within the ticket's timeout, its blocks are
-freed and the coordinator hears of it. A plain class (no Ray); `decode.actor` wraps it.
+freed and the coordinator hears of it.
+
+Threads: the engine thread owns the engine, the leases and the counters; the receiver thread
+hands each finished transfer to it with `submit`, and updates leave through `_updates` under
+its condition. A plain class (no Ray); `decode.actor` wraps it.
 """
 
 from __future__ import annotations
@@ -16,17 +20,16 @@ import threading
 import time
 from concurrent.futures import Future
 
-from coordinator.stats import WorkerStats, bucket_counts
 from engine.block_manager import slots_of
 from engine.config import EngineConfig
 from engine.engine import LLMEngine
 from engine.engine_thread import EngineThread
-from engine.requests import TokenUpdate, WorkRequest
-from engine.sampler import TokenLogprobs
 from kvtransfer.receiver import Arrived, KVReceiver, ReceiveEvent, TransferFailed
-from kvtransfer.ticket import Ticket
 from kvtransfer.transport import Rendezvous, Transport
-from prefill.worker import kv_layout
+from protocol.kv import Ticket
+from protocol.messages import RequestFailed, WorkerUpdate, WorkRequest
+from protocol.sampling import TokenLogprobs
+from protocol.stats import TransferCounters, WorkerStats
 
 
 class DecodeWorker:
@@ -39,25 +42,23 @@ class DecodeWorker:
         host: str = "127.0.0.1",
     ) -> None:
         self.worker_id = worker_id
-        self.transport_name = transport.name
         self.engine = LLMEngine(config)
         self.transfer_timeout = transfer_timeout
-        self.layout = kv_layout(self.engine)
+        self.layout = self.engine.kv_layout
         self.rendezvous = Rendezvous(host)
         self.receiver = KVReceiver(
             transport,
             self.rendezvous,
-            self.engine.runner.kv_caches,
+            self.engine.kv_caches,
             self.layout,
             worker_id,
             self._on_receive,
             transfer_timeout,
         )
         self._leases: dict[str, float] = {}  # reserved request -> monotonic deadline
-        self._updates: list[TokenUpdate] = []
+        self._updates: list[WorkerUpdate] = []
         self._updates_ready = threading.Condition()
-        self.transfer_failures = 0
-        self.transfer_seconds: list[float] = []
+        self.transfers = TransferCounters(transport.name)
         self.prefilled_locally = 0
         self.thread = EngineThread(
             f"decode-{worker_id}",
@@ -79,7 +80,7 @@ class DecodeWorker:
     def abort(self, request_id: str) -> Future:
         return self.thread.submit(self._abort, request_id)
 
-    def take_updates(self, timeout: float) -> list[TokenUpdate]:
+    def take_updates(self, timeout: float) -> list[WorkerUpdate]:
         """Every update since the last call; waits up to `timeout` seconds for one."""
         with self._updates_ready:
             if not self._updates:
@@ -98,8 +99,7 @@ class DecodeWorker:
     # -- engine thread ---------------------------------------------------------------------
 
     def _reserve(self, request: WorkRequest, prefill_id: str) -> Ticket | None:
-        scheduler = self.engine.scheduler
-        if len(scheduler.running) + len(self._leases) >= scheduler.config.max_num_seqs:
+        if not self.engine.has_room(len(self._leases)):
             return None  # the decode batch is full; the coordinator waits or goes elsewhere
         reservation = self.engine.reserve(
             request.request_id, request.prompt_ids, request.params, request.output_ids
@@ -143,13 +143,11 @@ class DecodeWorker:
         if isinstance(event, TransferFailed):
             self._fail(event.request_id, event.reason)
             return
-        self.transfer_seconds.append(event.seconds)
-        logprobs = _logprobs(event)
-        update = self.engine.admit(event.request_id, event.token_id, logprobs)
-        self._publish([TokenUpdate.of(update)])
+        self.transfers.seconds.observe(event.seconds)
+        self._publish([self.engine.admit(event.request_id, event.token_id, _logprobs(event))])
 
     def _step(self) -> None:
-        self._publish([TokenUpdate.of(u) for u in self.engine.step()])
+        self._publish(self.engine.step())
 
     def _expire_leases(self) -> None:
         now = time.monotonic()
@@ -160,10 +158,10 @@ class DecodeWorker:
 
     def _fail(self, request_id: str, reason: str) -> None:
         self.engine.release(request_id)
-        self.transfer_failures += 1
-        self._publish([TokenUpdate(request_id, 0, [], [], error=reason)])
+        self.transfers.failures += 1
+        self._publish([RequestFailed(request_id, reason)])
 
-    def _publish(self, updates: list[TokenUpdate]) -> None:
+    def _publish(self, updates: list[WorkerUpdate]) -> None:
         if not updates:
             return
         with self._updates_ready:
@@ -175,24 +173,13 @@ class DecodeWorker:
             self._updates_ready.notify_all()
 
     def _stats(self) -> WorkerStats:
-        engine, blocks = self.engine, self.engine.blocks
-        seconds = self.transfer_seconds
-        return WorkerStats(
-            worker=self.worker_id,
-            pool="decode",
-            num_running=len(engine.scheduler.running) + len(self._leases),
-            num_waiting=len(engine.scheduler.waiting),
-            queued_prefill_tokens=sum(s.num_uncomputed_tokens for s in engine.scheduler.waiting),
-            num_free_blocks=blocks.num_free_blocks,
-            num_total_blocks=blocks.num_blocks,
-            prefix_cache_queries=blocks.prefix_queries,
-            prefix_cache_hits=blocks.prefix_hits,
-            kv_transfer_bytes=self.receiver.bytes_received,
-            kv_transfer_failures=self.transfer_failures,
-            kv_transfer_count=len(seconds),
-            kv_transfer_seconds_sum=sum(seconds),
-            kv_transfer_buckets=bucket_counts(seconds),
-            kv_transport=self.transport_name,
+        snapshot = self.engine.snapshot()
+        self.transfers.bytes = self.receiver.bytes_received
+        return WorkerStats.of(
+            self.worker_id,
+            "decode",
+            snapshot._replace(num_running=snapshot.num_running + len(self._leases)),
+            **self.transfers.fields(),
             requests_prefilled_locally=self.prefilled_locally,
         )
 

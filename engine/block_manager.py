@@ -81,6 +81,17 @@ class BlockManager:
                 del self.evictable[block]
             self.ref_counts[block] += 1
 
+    def allocate_prefix(self, hits: list[int], num_tokens: int) -> list[int] | None:
+        """A block table for a sequence's first `num_tokens` tokens whose leading blocks are the
+        prefix-cache `hits` (from match_prefix): takes the hits and allocates the rest. None, and
+        nothing taken, when they do not fit (a hit that is only cached still costs a free block)."""
+        num_new = num_blocks_for(num_tokens, self.block_size) - len(hits)
+        num_evictable = sum(1 for b in hits if self.ref_counts[b] == 0)
+        if num_new + num_evictable > self.num_free_blocks:
+            return None
+        self.take_cached(hits)
+        return hits + self.allocate(num_new)
+
     def allocate(self, count: int) -> list[int]:
         """`count` fresh blocks, each with one reference. Raises if fewer are free."""
         if count > self.num_free_blocks:

@@ -1,6 +1,7 @@
 """LLMEngine: the step loop of one colocated engine, in token ids. `step()` = schedule, run, update.
 
-Not thread-safe: one thread owns an engine (`AsyncEngine` runs it in its own thread).
+Not thread-safe: one thread owns an engine (`engine.engine_thread.EngineThread`); every other
+thread reaches it by submitting calls to that thread.
 """
 
 from __future__ import annotations
@@ -14,35 +15,22 @@ from typing import NamedTuple
 
 import torch
 
-from engine.block_manager import BlockManager, num_blocks_for
+from engine.block_manager import BlockManager
 from engine.config import ConfigError, EngineConfig, ModelConfig
 from engine.kv_cache import num_blocks_for_budget
-from engine.outputs import SeqUpdate
-from engine.runner import DTYPES, ModelRunner
-from engine.sampler import SampleRow, TokenLogprobs
-from engine.sampling_params import SamplingParams
+from engine.runner import ModelRunner
+from engine.sampler import SampleRow, sample
 from engine.scheduler import Scheduler, SchedulerConfig, StepPlan
-from engine.sequence import FinishReason, Sequence
+from engine.sequence import Sequence
 from engine.stop import blocked_tokens, check_stop
+from protocol.errors import RequestError
+from protocol.kv import KVLayout
+from protocol.limits import ModelLimits
+from protocol.messages import RequestFailed, TokenUpdate, WorkerUpdate
+from protocol.sampling import FinishReason, SamplingParams, TokenLogprobs
+from protocol.stats import EngineSnapshot
 
 log = logging.getLogger(__name__)
-
-
-class RequestError(ValueError):
-    """A request this engine cannot take (too long, duplicate id, empty prompt)."""
-
-
-def check_prompt(prompt_ids: list[int], max_model_len: int, vocab_size: int) -> None:
-    """Raises RequestError for a prompt that is empty, too long or holds unknown token ids."""
-    if not prompt_ids:
-        raise RequestError("the prompt is empty")
-    if len(prompt_ids) >= max_model_len:
-        raise RequestError(
-            f"the prompt has {len(prompt_ids)} tokens; this server serves at most "
-            f"{max_model_len} tokens of context, prompt and output together"
-        )
-    if any(not 0 <= t < vocab_size for t in prompt_ids):
-        raise RequestError(f"prompt token ids must be in [0, {vocab_size})")
 
 
 class Reservation(NamedTuple):
@@ -60,16 +48,23 @@ def skip_draws(generator: torch.Generator, vocab_size: int, count: int) -> None:
         torch.empty(vocab_size).exponential_(generator=generator)
 
 
+def _generator_states(rows: list[SampleRow]) -> list[tuple[torch.Generator, torch.Tensor]]:
+    """The state of every generator a random row draws from, to undo a failed batch."""
+    generators = {id(r.generator): r.generator for r in rows if not r.params.greedy}
+    return [(g, g.get_state()) for g in generators.values() if g is not None]
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         self.model_config = ModelConfig.from_pretrained(config.model)
-        dtype = DTYPES[config.dtype]
+        dtype = getattr(torch, config.dtype)
         self.num_blocks = config.num_kv_blocks or num_blocks_for_budget(
             self.model_config, config.block_size, dtype, config.kv_cache_memory_bytes
         )
         self.max_model_len = self._max_model_len()
         self.eos_ids = frozenset(self.model_config.eos_token_ids)
+        self.limits = ModelLimits(self.max_model_len, self.model_config.vocab_size)
         self.runner = ModelRunner(self.model_config, config, self.num_blocks)
         self.blocks = BlockManager(self.num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(
@@ -110,7 +105,7 @@ class LLMEngine:
     ) -> Sequence:
         if request_id in self.sequences or request_id in self.reserved:
             raise RequestError(f"request id {request_id!r} is already in use")
-        self.check_request([*prompt_ids, *output_ids])
+        self.check_request([*prompt_ids, *output_ids], params)
         seq = Sequence(request_id, [*prompt_ids, *output_ids], len(prompt_ids), params)
         self.sequences[request_id] = seq
         if params.seed is not None:
@@ -132,15 +127,13 @@ class LLMEngine:
         seq = self._new_sequence(request_id, prompt_ids, params, output_ids)
         del self.sequences[request_id]
         hits = self.blocks.match_prefix(seq.token_ids)
-        num_new = num_blocks_for(seq.num_tokens, self.config.block_size) - len(hits)
-        num_evictable = sum(1 for b in hits if self.blocks.ref_counts[b] == 0)
-        if num_new + num_evictable > self.blocks.num_free_blocks:
+        block_table = self.blocks.allocate_prefix(hits, seq.num_tokens)
+        if block_table is None:
             self.generators.pop(request_id, None)
             return None
         num_cached = min(len(hits) * self.config.block_size, seq.num_tokens)
         self.blocks.count_query(seq.num_tokens, num_cached)
-        self.blocks.take_cached(hits)
-        seq.block_table = hits + self.blocks.allocate(num_new)
+        seq.block_table = block_table
         seq.num_hashed_blocks = len(hits)
         seq.num_cached_prompt_tokens = num_cached
         seq.first_scheduled_time = time.monotonic()
@@ -149,7 +142,7 @@ class LLMEngine:
 
     def admit(
         self, request_id: str, token_id: int, logprobs: TokenLogprobs | None = None
-    ) -> SeqUpdate:
+    ) -> TokenUpdate:
         """A reserved request's KV has arrived with its next token: it joins the running batch
         (or finishes at once if that token stops it)."""
         seq = self.reserved.pop(request_id)
@@ -167,10 +160,12 @@ class LLMEngine:
         seq.block_table = []
         return True
 
-    def check_request(self, prompt_ids: list[int]) -> None:
-        """Raises RequestError for a prompt this engine cannot serve. Reads only fixed facts, so
-        any thread may call it."""
-        check_prompt(prompt_ids, self.max_model_len, self.model_config.vocab_size)
+    def check_request(self, prompt_ids: list[int], params: SamplingParams | None = None) -> None:
+        """Raises RequestError (or SamplingError) for a request this engine cannot serve. Reads
+        only fixed facts, so any thread may call it."""
+        self.limits.check_prompt(prompt_ids)
+        if params is not None:
+            self.limits.check_params(params)
 
     def abort(self, request_id: str) -> bool:
         """Stops a request and frees its blocks; False if it is unknown or already finished."""
@@ -184,20 +179,77 @@ class LLMEngine:
         return True
 
     @property
+    def kv_caches(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Per layer (K, V), each [num_blocks, block_size, kv_heads, head_dim]."""
+        return self.runner.kv_caches
+
+    @property
+    def kv_layout(self) -> KVLayout:
+        cfg = self.model_config
+        return KVLayout(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, self.config.dtype)
+
+    def has_room(self, num_reserved: int = 0) -> bool:
+        """Whether another sequence may join the running batch (`num_reserved` more are
+        promised to it already)."""
+        return len(self.scheduler.running) + num_reserved < self.config.max_num_seqs
+
+    def snapshot(self) -> EngineSnapshot:
+        """Counts for stats and routing. Any thread may call it: each container is copied in
+        one step under the GIL, so the counts may be a step stale but never torn."""
+        blocks = self.blocks
+        running, waiting = list(self.scheduler.running), list(self.scheduler.waiting)
+        in_prefill = [s for s in running if s.num_uncomputed_tokens > 1]
+        return EngineSnapshot(
+            num_running=len(running),
+            num_waiting=len(waiting),
+            queued_prefill_tokens=sum(s.num_uncomputed_tokens for s in (*in_prefill, *waiting)),
+            num_free_blocks=blocks.num_free_blocks,
+            num_total_blocks=blocks.num_blocks,
+            prefix_cache_queries=blocks.prefix_queries,
+            prefix_cache_hits=blocks.prefix_hits,
+        )
+
+    @property
     def has_unfinished(self) -> bool:
         """Work for `step()`: queued or running requests (reservations wait for their KV)."""
         return self.scheduler.num_unfinished > 0
 
-    def step(self, on_layer: PlanLayerHook | None = None) -> list[SeqUpdate]:
-        """One model step. `on_layer(plan, i)` runs once layer i's KV of the plan is written."""
+    def step(self, on_layer: PlanLayerHook | None = None) -> list[WorkerUpdate]:
+        """One model step. `on_layer(plan, i)` runs once layer i's KV of the plan is written.
+        A request whose sampling raises fails alone (a RequestFailed); the rest go on."""
         plan = self.scheduler.schedule()
         if not plan.chunks:
             return []
         sampling = [chunk.seq for chunk in plan.chunks if chunk.samples]
         hook = functools.partial(on_layer, plan) if on_layer is not None else None
-        output = self.runner.execute(plan, [self._sample_row(seq) for seq in sampling], hook)
+        logits = self.runner.execute(plan, hook)
         self.scheduler.commit(plan)
+        rows = [self._sample_row(seq) for seq in sampling]
+        saved = _generator_states(rows)
+        try:
+            output = sample(logits, rows)
+        except Exception:  # some row broke the batch: find it, keep the others
+            for generator, state in saved:  # draws the failed batch made are not spent
+                generator.set_state(state)
+            return self._sample_alone(sampling, logits, rows)
         return self._update(sampling, output.token_ids, output.logprobs)
+
+    def _sample_alone(
+        self, sampling: list[Sequence], logits: torch.Tensor, rows: list[SampleRow]
+    ) -> list[WorkerUpdate]:
+        """Samples each row by itself; a row that still raises fails its request only."""
+        updates: list[WorkerUpdate] = []
+        for i, (seq, row) in enumerate(zip(sampling, rows, strict=True)):
+            try:
+                output = sample(logits[i : i + 1], [row])
+            except Exception as err:
+                log.exception("sampling failed for request %s", seq.request_id)
+                self.abort(seq.request_id)
+                reason = f"sampling failed: {type(err).__name__}: {err}"
+                updates.append(RequestFailed(seq.request_id, reason, retry=False))
+                continue
+            updates.extend(self._update([seq], output.token_ids, output.logprobs))
+        return updates
 
     def _sample_row(self, seq: Sequence) -> SampleRow:
         return SampleRow(
@@ -213,7 +265,7 @@ class LLMEngine:
         sampling: list[Sequence],
         token_ids: list[int],
         logprobs: list[TokenLogprobs | None],
-    ) -> list[SeqUpdate]:
+    ) -> list[TokenUpdate]:
         updates = []
         for seq, token, token_logprobs in zip(sampling, token_ids, logprobs, strict=True):
             seq.token_ids.append(token)
@@ -223,16 +275,16 @@ class LLMEngine:
                 del self.sequences[seq.request_id]
                 self.generators.pop(seq.request_id, None)
             updates.append(
-                SeqUpdate(
+                TokenUpdate(
                     request_id=seq.request_id,
-                    new_token_ids=[token],
-                    new_logprobs=[token_logprobs],
+                    first_index=seq.num_output_tokens - 1,
+                    token_ids=[token],
+                    logprobs=[token_logprobs],
                     finish_reason=stop[0] if stop else None,
                     stop_token_id=stop[1] if stop else None,
                     num_prompt_tokens=seq.num_prompt_tokens,
                     num_cached_tokens=seq.num_cached_prompt_tokens,
                     queue_seconds=seq.queue_seconds,
-                    num_output_tokens=seq.num_output_tokens,
                 )
             )
         return updates

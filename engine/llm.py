@@ -10,8 +10,10 @@ from engine.config import EngineConfig
 from engine.engine import LLMEngine
 from engine.output_processor import RequestState
 from engine.outputs import RequestOutput
-from engine.sampling_params import SamplingParams
 from engine.tokenizer import Tokenizer
+from protocol.errors import RequestFailedError
+from protocol.messages import RequestFailed
+from protocol.sampling import SamplingParams
 
 Prompt = str | list[int]
 
@@ -55,6 +57,8 @@ class LLM:
         results: dict[str, RequestOutput] = {}
         while self.engine.has_unfinished:
             for update in self.engine.step():
+                if isinstance(update, RequestFailed):
+                    raise RequestFailedError(f"request {update.request_id}: {update.reason}")
                 output, stop_string_hit = states[update.request_id].apply(update)
                 if stop_string_hit:
                     self.engine.abort(update.request_id)

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from engine.outputs import RequestOutput, SeqUpdate
-from engine.sampling_params import SamplingParams
-from engine.sequence import FinishReason
+from engine.outputs import RequestOutput
 from engine.tokenizer import IncrementalDetokenizer, Tokenizer
+from protocol.messages import TokenUpdate
+from protocol.sampling import FinishReason, SamplingParams
 
 
 class RequestState:
@@ -34,13 +34,13 @@ class RequestState:
     def finished(self) -> bool:
         return self.finish_reason is not None
 
-    def apply(self, update: SeqUpdate) -> tuple[RequestOutput, bool]:
+    def apply(self, update: TokenUpdate) -> tuple[RequestOutput, bool]:
         """The request's output after `update`, and whether a stop string just ended it (the
         caller then aborts the request in the engine)."""
-        tokens = update.new_token_ids
+        tokens = update.token_ids
         self.token_ids.extend(tokens)
         if self.logprobs is not None:
-            self.logprobs.extend(update.new_logprobs)
+            self.logprobs.extend(update.logprobs)
         text_tokens = tokens
         if update.stop_token_id is not None and not self.params.include_stop_str_in_output:
             text_tokens = tokens[:-1]
@@ -66,7 +66,7 @@ class RequestState:
         self.finish_reason, self.stop_reason = FinishReason.STOP.value, stop
         return True
 
-    def _output(self, update: SeqUpdate, num_new: int) -> RequestOutput:
+    def _output(self, update: TokenUpdate, num_new: int) -> RequestOutput:
         sendable = len(self.text) if self.finished else max(0, len(self.text) - self.holdback)
         sendable = max(sendable, self.num_sent_chars)
         delta = self.text[self.num_sent_chars : sendable]

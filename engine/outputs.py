@@ -1,26 +1,13 @@
-"""What the engine core reports per step, and what frontends hand to users."""
+"""What frontends hand to users: a request's tokens and text so far."""
 
 from __future__ import annotations
 
+import asyncio
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
-from engine.sampler import TokenLogprobs
-from engine.sequence import FinishReason
-
-
-@dataclass(frozen=True)
-class SeqUpdate:
-    """New tokens of one request after an engine step (token ids only; no text yet)."""
-
-    request_id: str
-    new_token_ids: list[int]
-    new_logprobs: list[TokenLogprobs | None]
-    finish_reason: FinishReason | None
-    stop_token_id: int | None  # the token that stopped it, when one did
-    num_prompt_tokens: int
-    num_cached_tokens: int
-    queue_seconds: float | None = None  # arrival until the request first got KV blocks
-    num_output_tokens: int = 0  # the request's output length after this update
+from protocol.sampling import TokenLogprobs
 
 
 @dataclass
@@ -42,3 +29,22 @@ class RequestOutput:
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+
+class StreamFailed(NamedTuple):
+    """The last item of a request's output stream when it ended in an error instead."""
+
+    error: Exception
+
+
+async def read_stream(
+    stream: asyncio.Queue[RequestOutput | StreamFailed],
+) -> AsyncIterator[RequestOutput]:
+    """Yields a request's outputs up to the finished one; raises the error of a StreamFailed."""
+    while True:
+        item = await stream.get()
+        if isinstance(item, StreamFailed):
+            raise item.error
+        yield item
+        if item.finished:
+            return

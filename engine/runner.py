@@ -10,12 +10,9 @@ from engine.forward_batch import ForwardBatch, PrefillSegment
 from engine.kv_cache import allocate_kv_cache
 from engine.model import CausalLM, LayerHook
 from engine.packed_linear import can_pack, pack_linears
-from engine.sampler import SamplerOutput, SampleRow, sample
 from engine.scheduler import ScheduledChunk, StepPlan
 from engine.weights import load_weights
 from kernels import cpu_extension
-
-DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
 def load_model(model_cfg: ModelConfig, dtype: torch.dtype, device: str) -> CausalLM:
@@ -31,7 +28,7 @@ def load_model(model_cfg: ModelConfig, dtype: torch.dtype, device: str) -> Causa
 
 class ModelRunner:
     def __init__(self, model_cfg: ModelConfig, engine_cfg: EngineConfig, num_blocks: int) -> None:
-        self.dtype = DTYPES[engine_cfg.dtype]
+        self.dtype = getattr(torch, engine_cfg.dtype)
         self.device = torch.device(engine_cfg.device)
         self.block_size = engine_cfg.block_size
         if self.device.type == "cpu":
@@ -44,18 +41,17 @@ class ModelRunner:
         )
 
     @torch.inference_mode()
-    def execute(
-        self, plan: StepPlan, sample_rows: list[SampleRow], on_layer: LayerHook | None = None
-    ) -> SamplerOutput:
-        """Runs every chunk; samples for the chunks with `samples` set, in plan order.
-        `on_layer(i)` runs once layer i's KV for the whole plan is in `kv_caches`."""
+    def execute(self, plan: StepPlan, on_layer: LayerHook | None = None) -> torch.Tensor:
+        """Runs every chunk; returns the logits of the chunks with `samples` set, in plan
+        order: [S, vocab]. `on_layer(i)` runs once layer i's KV for the whole plan is in
+        `kv_caches`."""
         chunks = order_for_batch(plan.chunks)
         batch = self.build_batch(chunks)
         logits = self.model(batch, self.kv_caches, on_layer)  # rows in `chunks` order
         sampling = [chunk for chunk in chunks if chunk.samples]
         position = {id(chunk.seq): i for i, chunk in enumerate(sampling)}
         in_plan_order = [position[id(chunk.seq)] for chunk in plan.chunks if chunk.samples]
-        return sample(logits[in_plan_order], sample_rows)
+        return logits[in_plan_order]
 
     def build_batch(self, chunks: list[ScheduledChunk]) -> ForwardBatch:
         bs = self.block_size

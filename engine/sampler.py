@@ -11,12 +11,7 @@ from typing import NamedTuple
 
 import torch
 
-from engine.sampling_params import SamplingParams
-
-
-class TokenLogprobs(NamedTuple):
-    logprob: float  # of the chosen token
-    top: list[tuple[int, float]]  # the most likely tokens, best first
+from protocol.sampling import SamplingParams, TokenLogprobs
 
 
 class SampleRow(NamedTuple):
@@ -107,7 +102,7 @@ def filtered_probs(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
     sorted_logits, order = logits.sort(dim=-1, descending=True)
     sorted_probs = sorted_logits.softmax(dim=-1)
     rank = torch.arange(vocab).unsqueeze(0)
-    top_k = torch.tensor([row.params.top_k if row.params.top_k > 0 else vocab for row in rows])
+    top_k = torch.tensor([min(row.params.top_k or vocab, vocab) for row in rows])
     top_p = torch.tensor([row.params.top_p for row in rows])
     min_p = torch.tensor([row.params.min_p for row in rows])
     drop = rank >= top_k.unsqueeze(1)

@@ -17,7 +17,8 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from engine.block_manager import BlockManager, num_blocks_for
-from engine.sequence import FinishReason, Sequence, SequenceStatus
+from engine.sequence import Sequence, SequenceStatus
+from protocol.sampling import FinishReason
 
 
 @dataclass(frozen=True)
@@ -114,13 +115,11 @@ class Scheduler:
                 hits = hits[:-1]
             num_cached = len(hits) * bs
             n = min(seq.num_tokens - num_cached, budget)
-            num_new = num_blocks_for(num_cached + n, bs) - len(hits)
-            num_evictable = sum(1 for b in hits if self.blocks.ref_counts[b] == 0)
-            if num_new + num_evictable > self.blocks.num_free_blocks:
+            block_table = self.blocks.allocate_prefix(hits, num_cached + n)
+            if block_table is None:
                 break
             self.blocks.count_query(seq.num_tokens, num_cached)
-            self.blocks.take_cached(hits)
-            seq.block_table = hits + self.blocks.allocate(num_new)
+            seq.block_table = block_table
             seq.num_computed_tokens = num_cached
             seq.num_hashed_blocks = len(hits)
             if seq.num_preemptions == 0:

@@ -6,19 +6,13 @@ import enum
 import time
 from dataclasses import dataclass, field
 
-from engine.sampling_params import SamplingParams
+from protocol.sampling import FinishReason, SamplingParams
 
 
 class SequenceStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
     FINISHED = "finished"
-
-
-class FinishReason(str, enum.Enum):
-    STOP = "stop"  # EOS, a stop token or a stop string
-    LENGTH = "length"  # max_tokens or the context length
-    ABORT = "abort"
 
 
 @dataclass(eq=False)

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from collections.abc import Collection
 
-from engine.sequence import FinishReason, Sequence
+from engine.sequence import Sequence
+from protocol.sampling import FinishReason
 
 
 def blocked_tokens(seq: Sequence, eos_ids: Collection[int]) -> tuple[int, ...]:
@@ -12,10 +13,7 @@ def blocked_tokens(seq: Sequence, eos_ids: Collection[int]) -> tuple[int, ...]:
     params = seq.params
     if seq.num_output_tokens >= params.min_tokens:
         return ()
-    stoppers = set(params.stop_token_ids)
-    if not params.ignore_eos:
-        stoppers.update(eos_ids)
-    return tuple(sorted(stoppers))
+    return tuple(sorted(params.stop_ids(eos_ids)))
 
 
 def check_stop(
@@ -23,8 +21,7 @@ def check_stop(
 ) -> tuple[FinishReason, int | None] | None:
     """After a token was appended: (finish reason, stopping token id) or None to go on."""
     params, last = seq.params, seq.token_ids[-1]
-    is_stopper = last in params.stop_token_ids or (not params.ignore_eos and last in eos_ids)
-    if is_stopper and seq.num_output_tokens >= params.min_tokens:
+    if last in params.stop_ids(eos_ids) and seq.num_output_tokens >= params.min_tokens:
         return FinishReason.STOP, last
     if seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= max_model_len:
         return FinishReason.LENGTH, None

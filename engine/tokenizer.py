@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from transformers import AutoTokenizer, PreTrainedTokenizerBase
+if TYPE_CHECKING:  # transformers loads torch: only a Tokenizer's construction pays for it
+    from transformers import PreTrainedTokenizerBase
 
 # Tokens of the prompt decoded along with the first output tokens, so that tokenizers which
 # drop a word's leading space at the start of a decode still produce it.
@@ -18,6 +19,8 @@ class TokenizerError(ValueError):
 
 class Tokenizer:
     def __init__(self, path: str | Path) -> None:
+        from transformers import AutoTokenizer
+
         self.hf: PreTrainedTokenizerBase = AutoTokenizer.from_pretrained(str(path))
 
     @property

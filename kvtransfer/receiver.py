@@ -23,9 +23,9 @@ from typing import NamedTuple
 import torch
 
 from kernels import ops
-from kvtransfer.ticket import KVLayout
 from kvtransfer.transport import Channel, Rendezvous, TransferError, Transport
 from kvtransfer.wire import AbortFrame, DoneFrame, PostedFrame, StepFrame
+from protocol.kv import KVLayout
 
 log = logging.getLogger(__name__)
 

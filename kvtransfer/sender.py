@@ -18,9 +18,9 @@ from typing import NamedTuple
 
 import torch
 
-from kvtransfer.ticket import Ticket
 from kvtransfer.transport import Channel, Pending, TransferError, Transport
 from kvtransfer.wire import AbortFrame, DoneFrame, Frame, StepFrame, encode_frame
+from protocol.kv import Ticket
 
 log = logging.getLogger(__name__)
 REMEMBERED_FAILURES = 10_000
@@ -43,14 +43,29 @@ class SendRecord:
         return self.finished - self.started
 
 
-class _Job(NamedTuple):
-    """A frame, or a payload, or (neither) just opening the ticket's channel."""
+class _OpenChannel(NamedTuple):
+    """Opens the ticket's channel ahead of its first send."""
 
     ticket: Ticket
-    frame: Frame | None = None
-    payload: torch.Tensor | None = None  # [2, num_tokens, kv_heads, head_dim]
-    layer: int | None = None
-    ready: object | None = None  # torch.cuda.Event recorded after the payload was packed
+
+
+class _SendFrame(NamedTuple):
+    ticket: Ticket  # its channel carries the frame
+    frame: Frame
+
+
+class _SendLayer(NamedTuple):
+    ticket: Ticket
+    layer: int
+    payload: torch.Tensor  # [2, num_tokens, kv_heads, head_dim]
+    ready: torch.cuda.Event | None  # recorded after the pack on CUDA; None on CPU
+
+
+class _Stop:
+    """Tells the sender thread to retire what is in flight and exit."""
+
+
+Job = _OpenChannel | _SendFrame | _SendLayer
 
 
 SendCallback = Callable[[str, SendRecord, TransferError | None], None]
@@ -63,42 +78,42 @@ class KVSender:
         self.transport = transport
         self.timeout = timeout
         self.on_finished = on_finished
-        self._jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
+        self._jobs: queue.SimpleQueue[Job | _Stop] = queue.SimpleQueue()
         self._channels: dict[str, Channel] = {}
         self._dead_keys: set[str] = set()
         self._records: dict[str, SendRecord] = {}
         self._failed: OrderedDict[str, None] = OrderedDict()  # recent failures, bounded
-        self._inflight: deque[tuple[Pending, _Job, float, bool]] = deque()
+        self._inflight: deque[tuple[Pending, _SendFrame | _SendLayer, float]] = deque()
         self._thread = threading.Thread(target=self._run, name="tandem-kv-sender", daemon=True)
         self._thread.start()
 
     def open(self, ticket: Ticket) -> None:
         """Starts opening the ticket's channel now, so the first layer does not wait for it."""
-        self._jobs.put(_Job(ticket))
+        self._jobs.put(_OpenChannel(ticket))
 
     def send_step(self, chunks: list[tuple[Ticket, int, int]], num_layers: int) -> None:
         """Announces a step's chunks (ticket, start, num_tokens), all on one channel; their
         payloads follow layer by layer through send_layer, in this order."""
         entries = [(ticket.request_id, start, n) for ticket, start, n in chunks]
-        self._jobs.put(_Job(chunks[0][0], frame=StepFrame(entries, num_layers)))
+        self._jobs.put(_SendFrame(chunks[0][0], StepFrame(entries, num_layers)))
 
     def send_layer(self, ticket: Ticket, layer: int, payload: torch.Tensor, ready=None) -> None:
-        self._jobs.put(_Job(ticket, payload=payload, layer=layer, ready=ready))
+        self._jobs.put(_SendLayer(ticket, layer, payload, ready))
 
     def send_done(self, ticket: Ticket, token_id: int, logprobs) -> None:
         top = [list(pair) for pair in logprobs.top] if logprobs is not None else None
         logprob = logprobs.logprob if logprobs is not None else None
-        self._jobs.put(_Job(ticket, frame=DoneFrame(ticket.request_id, token_id, logprob, top)))
+        self._jobs.put(_SendFrame(ticket, DoneFrame(ticket.request_id, token_id, logprob, top)))
 
     def send_abort(self, ticket: Ticket, reason: str) -> None:
-        self._jobs.put(_Job(ticket, frame=AbortFrame(ticket.request_id, reason)))
+        self._jobs.put(_SendFrame(ticket, AbortFrame(ticket.request_id, reason)))
 
     def close(self) -> None:
-        self._jobs.put(None)
+        self._jobs.put(_Stop())
         self._thread.join(timeout=5)
 
     def _run(self) -> None:
-        while (job := self._jobs.get()) is not None:
+        while not isinstance(job := self._jobs.get(), _Stop):
             self._handle(job)
             # Nothing else to post: retire sends oldest first, looking for new jobs after each,
             # so a job that arrives meanwhile is posted behind what is in flight, not after it.
@@ -106,62 +121,72 @@ class KVSender:
                 self._drain(len(self._inflight) - 1)
         self._drain(0)
 
-    def _handle(self, job: _Job) -> None:
-        if job.ticket.request_id in self._failed and isinstance(job.frame, DoneFrame | AbortFrame):
-            return  # its failure was reported already
+    def _handle(self, job: Job) -> None:
+        match job:
+            case _SendFrame(ticket, DoneFrame() | AbortFrame() as last):
+                if ticket.request_id in self._failed:
+                    return  # its failure was reported already
+                if self._start(job):
+                    self._drain(0)
+                    self._complete(ticket.request_id, last)
+            case _:
+                self._start(job)
+
+    def _start(self, job: Job) -> bool:
+        """Opens the job's channel and posts what it sends; False if that failed (reported)."""
         try:
             channel = self._channel(job.ticket)
-            if job.frame is None and job.payload is None:
-                return
-            self._post(channel, job)
+            if not isinstance(job, _OpenChannel):
+                self._post(channel, job)
         except TransferError as err:
             self._fail_job(job, err)
-            return
-        if isinstance(job.frame, DoneFrame | AbortFrame):
-            self._drain(0)
-            self._complete(job)
+            return False
+        return True
 
-    def _post(self, channel: Channel, job: _Job) -> None:
-        """Posts the frame (and payload) without waiting, keeping at most WINDOW in flight."""
+    def _post(self, channel: Channel, job: _SendFrame | _SendLayer) -> None:
+        """Posts the frame or payload without waiting, keeping at most WINDOW in flight."""
         record = self._records.setdefault(job.ticket.request_id, SendRecord())
         start = time.monotonic()
-        if job.payload is not None:  # a transfer starts with its first bytes of KV
-            record.started = record.started or start
-        if job.ready is not None:
-            job.ready.synchronize()
-        for tensor in encode_frame(job.frame) if job.frame is not None else []:
-            self._inflight.append((channel.send_async(tensor), job, start, False))
-        if job.payload is not None:
-            self._inflight.append((channel.send_async(job.payload), job, start, True))
+        match job:
+            case _SendFrame(frame=frame):
+                tensors = encode_frame(frame)
+            case _SendLayer(payload=payload, ready=ready):
+                record.started = record.started or start  # a transfer starts with its first KV
+                if ready is not None:
+                    ready.synchronize()
+                tensors = [payload]
+        for tensor in tensors:
+            self._inflight.append((channel.send_async(tensor), job, start))
         self._drain(WINDOW)
 
     def _drain(self, keep: int) -> None:
         while len(self._inflight) > keep:
-            pending, job, start, is_payload = self._inflight.popleft()
+            pending, job, start = self._inflight.popleft()
             try:
                 pending.wait(self.timeout)
             except TransferError as err:
                 self._fail_job(job, err)
                 continue
             record = self._records.get(job.ticket.request_id)
-            if is_payload and record is not None:
+            if isinstance(job, _SendLayer) and record is not None:
                 record.bytes_sent += job.payload.numel() * job.payload.element_size()
                 record.layer_sends.append((job.layer, start, time.monotonic()))
 
-    def _complete(self, job: _Job) -> None:
-        request_id = job.ticket.request_id
+    def _complete(self, request_id: str, last: DoneFrame | AbortFrame) -> None:
         record = self._records.pop(request_id, None)
         if record is None or request_id in self._failed:
             return
         record.finished = time.monotonic()
-        error = None if isinstance(job.frame, DoneFrame) else TransferError(job.frame.reason)
+        error = TransferError(last.reason) if isinstance(last, AbortFrame) else None
         self.on_finished(request_id, record, error)
 
-    def _fail_job(self, job: _Job, err: TransferError) -> None:
+    def _fail_job(self, job: Job, err: TransferError) -> None:
         request_id = job.ticket.request_id
         log.warning("KV transfer of %s to %s failed: %s", request_id, job.ticket.decode_id, err)
         self._drop_channel(job.ticket.channel_key)
-        if request_id not in self._failed and not isinstance(job.frame, StepFrame):
+        # A step frame speaks for several requests: each fails on its own next job instead.
+        is_step = isinstance(job, _SendFrame) and isinstance(job.frame, StepFrame)
+        if request_id not in self._failed and not is_step:
             self._fail(request_id, err)
 
     def _channel(self, ticket: Ticket) -> Channel:

@@ -11,7 +11,8 @@ import datetime
 import torch
 from torch.distributed import PrefixStore, Store, TCPStore
 
-from kvtransfer.transport import Endpoint, TransferError, register
+from kvtransfer.transport import TransferError, register
+from protocol.kv import Endpoint
 
 SENDER, RECEIVER = 0, 1
 # How long an idle receiver may wait for its next message; a dead peer ends the wait sooner.

@@ -16,19 +16,17 @@ from __future__ import annotations
 
 import datetime
 from collections.abc import Callable
-from typing import NamedTuple, Protocol
+from typing import Protocol
 
 import torch
 from torch.distributed import TCPStore
 
+from kvtransfer.names import TRANSPORT_NAMES
+from protocol.kv import Endpoint
+
 
 class TransferError(RuntimeError):
     """A send or receive failed, timed out, or its peer went away."""
-
-
-class Endpoint(NamedTuple):
-    host: str
-    port: int
 
 
 class Pending(Protocol):
@@ -76,6 +74,8 @@ TRANSPORTS: dict[str, Callable[[torch.device], Transport]] = {}
 
 
 def register(name: str) -> Callable:
+    assert name in TRANSPORT_NAMES, f"add {name!r} to kvtransfer.names.TRANSPORT_NAMES"
+
     def add(factory: Callable[[torch.device], Transport]) -> Callable[[torch.device], Transport]:
         TRANSPORTS[name] = factory
         return factory
@@ -93,6 +93,6 @@ def make_transport(name: str, device: torch.device) -> Transport:
         import kvtransfer.ucx  # noqa: F401  (ucx, ucx-shm, ucx-tcp; needs the ucxx package)
     if name not in TRANSPORTS:
         raise ValueError(
-            f"unknown KV transport {name!r}; choose from auto, {', '.join(TRANSPORTS)}"
+            f"unknown KV transport {name!r}; choose from auto, {', '.join(TRANSPORT_NAMES)}"
         )
     return TRANSPORTS[name](device)

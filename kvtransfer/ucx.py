@@ -34,8 +34,9 @@ import msgpack
 import torch
 from torch.distributed import TCPStore
 
-from kvtransfer.transport import Endpoint, TransferError, register
+from kvtransfer.transport import TransferError, register
 from kvtransfer.ucx_worker import GRACE, UcxWorker
+from protocol.kv import Endpoint
 
 ON_HOST = frozenset(
     {"self", "sm", "shm", "posix", "sysv", "cma", "knem", "xpmem", "cuda_copy", "cuda_ipc"}

@@ -41,7 +41,7 @@ class ServeProcess:
         self.port = port or free_port()
         self.url = f"http://{HOST}:{self.port}"
         self.log_path = log_path
-        command = [sys.executable, "-m", "coordinator.cli", "serve", *args]
+        command = [sys.executable, "-m", "cli.main", "serve", *args]
         command += ["--host", HOST, "--port", str(self.port)]
         env = {**os.environ, "RAY_AUTH_MODE": "disabled"}
         with open(log_path, "wb") as log:

@@ -7,12 +7,12 @@ import asyncio
 import ray
 import torch
 
-from coordinator.stats import WorkerStats
 from engine.config import EngineConfig
-from engine.requests import WorkRequest
-from kvtransfer.ticket import Ticket
 from kvtransfer.transport import make_transport
-from prefill.worker import PrefillResult, PrefillWorker
+from prefill.worker import PrefillReport, PrefillWorker
+from protocol.kv import Ticket
+from protocol.messages import PrefillResult, WorkRequest
+from protocol.stats import WorkerStats
 
 
 class PrefillActor:
@@ -41,7 +41,8 @@ class PrefillActor:
         loop = asyncio.get_running_loop()
         outcome: asyncio.Future = loop.create_future()
 
-        def settle(_: str, result: PrefillResult | Exception) -> None:
+        def settle(_: str, report: PrefillReport | Exception) -> None:
+            result = report if isinstance(report, Exception) else report.result
             loop.call_soon_threadsafe(_set, outcome, result)
 
         self.worker.submit(request, ticket, settle)

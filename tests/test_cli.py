@@ -6,20 +6,61 @@ import json
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
+from cli.main import build_parser
 from engine.llm import LLM
-from engine.sampling_params import SamplingParams
+from protocol.sampling import SamplingParams
+
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def tandem(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "coordinator.cli", *args],
+        [sys.executable, "-m", "cli.main", *args],
         capture_output=True,
         text=True,
         timeout=300,
     )
+
+
+def loaded_after(code: str, modules: tuple[str, ...]) -> list[str]:
+    """Which of `modules` a fresh interpreter has imported after running `code`."""
+    probe = f"{code}\nimport sys\nprint(' '.join(m for m in {modules!r} if m in sys.modules))"
+    result = subprocess.run(
+        [sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, cwd=ROOT
+    )
+    assert result.returncode == 0, result.stderr
+    return result.stdout.split()
+
+
+def test_parser_loads_neither_torch_nor_ray() -> None:
+    code = "import cli.main; cli.main.build_parser()"
+    assert loaded_after(code, ("torch", "ray")) == []
+
+
+def test_subcommands_do_not_import_the_dispatcher() -> None:
+    code = "import cli.generate, cli.serve, loadtest.cli"
+    assert loaded_after(code, ("cli.main",)) == []
+
+
+def test_help_exits_0() -> None:
+    result = tandem("--help")
+    assert result.returncode == 0, result.stderr
+    assert all(command in result.stdout for command in ("generate", "serve", "bench"))
+
+
+@pytest.mark.parametrize("text,top_k", [("40", 40), ("1", 1), ("0", None), ("-1", None)])
+def test_top_k_zero_or_minus_one_is_off(text, top_k) -> None:
+    args = build_parser().parse_args(["generate", "--prompt", "hi", "--top-k", text])
+    assert args.top_k == top_k
+
+
+def test_generate_defaults() -> None:
+    args = build_parser().parse_args(["generate", "--prompt", "hi"])
+    assert (args.top_k, args.top_p, args.temperature, args.dtype) == (None, 1.0, 0.0, "bfloat16")
 
 
 def assert_one_line_error(result: subprocess.CompletedProcess, fragment: str) -> None:

@@ -24,6 +24,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from coordinator.api import chat, completions
+from coordinator.api.client import EngineClient
 from coordinator.api.context import ServerContext, ServerSettings, context_of
 from coordinator.api.errors import ApiError, install_error_handlers, invalid
 from coordinator.api.prompts import chat_prompt
@@ -35,8 +36,7 @@ from coordinator.api.responses import (
     TokenizeResponse,
 )
 from coordinator.api.streams import closing
-from coordinator.client import EngineClient
-from engine.sampling_params import SamplingParams
+from protocol.sampling import SamplingParams
 
 OPEN_PATHS = frozenset({"/health", "/ready", "/metrics"})  # probes and scrapers carry no key
 

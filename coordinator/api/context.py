@@ -3,25 +3,15 @@
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
 
 from fastapi import Request
 
 from coordinator.api.admission import Admission
+from coordinator.api.client import EngineClient
 from coordinator.api.errors import ApiError
 from coordinator.api.logprobs import TokenTexts
 from coordinator.api.metrics import ServerMetrics
-from coordinator.client import EngineClient
-
-DEFAULT_MAX_QUEUE = 256
-
-
-@dataclass(frozen=True)
-class ServerSettings:
-    api_key: str | None = None  # when set, every route but health/ready/metrics needs it
-    max_queue: int = DEFAULT_MAX_QUEUE  # requests admitted but without output yet
-    retry_after_s: int = 1  # the Retry-After sent with a 503 for a full queue
-    ready_timeout_s: float = 30.0  # how long the readiness probe's generation may take
+from coordinator.api.settings import ServerSettings
 
 
 class ServerContext:

@@ -14,10 +14,9 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
-from engine.async_engine import EngineDeadError
-from engine.engine import RequestError
-from engine.sampling_params import SamplingError
 from engine.tokenizer import TokenizerError
+from protocol.errors import EngineDeadError, RequestError, RequestFailedError
+from protocol.sampling import SamplingError
 
 log = logging.getLogger(__name__)
 
@@ -73,10 +72,12 @@ def as_api_error(err: Exception) -> ApiError:
     """The client-facing form of any failure during a request."""
     if isinstance(err, ApiError):
         return err
-    if isinstance(err, SamplingError):  # its message starts with the parameter's name
-        return invalid(str(err), param=str(err).split()[0])
+    if isinstance(err, SamplingError):
+        return invalid(str(err), param=err.param)
     if isinstance(err, RequestError | TokenizerError):
         return invalid(str(err))
+    if isinstance(err, RequestFailedError):  # this request alone; the server goes on
+        return ApiError(500, f"the request failed: {err}", code="request_failed")
     if isinstance(err, EngineDeadError):
         return ApiError(503, f"no engine can serve the request: {err}", code="engine_unavailable")
     log.exception("request failed", exc_info=err)

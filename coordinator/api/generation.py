@@ -25,7 +25,7 @@ from coordinator.api.responses import PromptTokensDetails, Usage
 from coordinator.api.sse import EventStream
 from coordinator.api.streams import closing, fan_in
 from engine.outputs import RequestOutput
-from engine.sampling_params import SamplingParams
+from protocol.sampling import SamplingParams
 
 Outputs = AsyncIterator[tuple[int, RequestOutput]]
 

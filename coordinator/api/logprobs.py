@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from coordinator.api.responses import ChatLogprobs, CompletionLogprobs, TokenLogprob, TopLogprob
 from engine.outputs import RequestOutput
-from engine.sampler import TokenLogprobs
 from engine.tokenizer import Tokenizer
+from protocol.sampling import TokenLogprobs
 
 
 class TokenTexts:

@@ -14,8 +14,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 
 from coordinator.api.streams import closing
 from coordinator.api.worker_metrics import WorkerStatsCollector
-from coordinator.stats import WorkerStats
 from engine.outputs import RequestOutput
+from protocol.stats import WorkerStats
 
 LATENCY_BUCKETS = (
     0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,

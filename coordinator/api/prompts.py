@@ -6,12 +6,12 @@ occupies a place in the queue.
 
 from __future__ import annotations
 
+from coordinator.api.client import EngineClient
 from coordinator.api.errors import as_api_error, invalid
 from coordinator.api.protocol import ChatMessage, Prompt, SamplingRequest
-from coordinator.client import EngineClient
-from engine.engine import RequestError
-from engine.sampling_params import SamplingError, SamplingParams
 from engine.tokenizer import Tokenizer
+from protocol.errors import RequestError
+from protocol.sampling import SamplingError, SamplingParams
 
 
 def completion_prompts(tokenizer: Tokenizer, prompt: Prompt) -> list[list[int]]:
@@ -56,7 +56,11 @@ def build_params(
             param=names.get("max_tokens", "max_tokens"),
         )
     try:
-        return SamplingParams(max_tokens=max_tokens, logprobs=logprobs, **_sampling_fields(request))
+        params = SamplingParams(
+            max_tokens=max_tokens, logprobs=logprobs, **_sampling_fields(request)
+        )
+        client.check_request(prompt_ids, params)
+        return params
     except SamplingError as err:
         error = as_api_error(err)
         error.param = names.get(error.param or "", error.param)
@@ -77,6 +81,8 @@ def _sampling_fields(request: SamplingRequest) -> dict:
         "stop": request.stop,
         "stop_token_ids": request.stop_token_ids,
     }
+    if request.top_k in (0, -1):  # both spell "off" in OpenAI-compatible servers
+        fields["top_k"] = None
     given = {name: value for name, value in fields.items() if value is not None}
     return given | {
         "min_tokens": request.min_tokens,

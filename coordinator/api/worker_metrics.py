@@ -17,7 +17,7 @@ from prometheus_client.core import (
 )
 from prometheus_client.registry import Collector
 
-from coordinator.stats import TRANSFER_BUCKETS, WorkerStats
+from protocol.stats import TRANSFER_BUCKETS, WorkerStats
 
 WORKER_LABELS = ["model", "worker", "pool"]
 

@@ -15,8 +15,8 @@ from fastapi import FastAPI
 
 from coordinator.api.app import create_app
 from coordinator.api.context import ServerSettings
-from coordinator.local_client import LocalEngineClient
 from engine.config import EngineConfig
+from engine.local_client import LocalEngineClient
 
 START_TIMEOUT_S = 30.0
 NUM_KV_BLOCKS = 256

@@ -7,7 +7,7 @@ import openai
 import pytest
 
 from engine.llm import LLM
-from engine.sampling_params import SamplingParams
+from protocol.sampling import SamplingParams
 from tests.coordinator.conftest import local_client
 
 PROMPT = "The quick brown fox"

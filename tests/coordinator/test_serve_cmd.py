@@ -14,8 +14,13 @@ import time
 import httpx
 import pytest
 
-from coordinator.cli import build_parser
-from coordinator.serve_cmd import deploy_config, engine_config, parse_size
+from cli.main import build_parser
+from cli.serve import deploy_config, engine_config, format_size, parse_size
+from coordinator.api.settings import ServerSettings
+from coordinator.deploy import MODES, DeployConfig
+from engine.config import EngineConfig
+from kvtransfer.names import TRANSPORT_NAMES
+from protocol.kv import DTYPE_BYTES
 
 FLAGS = [
     "--model", "--served-model-name", "--host", "--port", "--address", "--mode",
@@ -31,6 +36,12 @@ def serve_args(*argv: str) -> argparse.Namespace:
     return build_parser().parse_args(["serve", *argv])
 
 
+def serve_choices(flag: str) -> list[str]:
+    commands = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    action = next(a for a in commands.choices["serve"]._actions if flag in a.option_strings)
+    return list(action.choices)
+
+
 def test_help_lists_every_flag(capsys) -> None:
     with pytest.raises(SystemExit):
         serve_args("--help")
@@ -43,6 +54,51 @@ def test_defaults() -> None:
     assert (args.host, args.port, args.mode) == ("127.0.0.1", 8000, "disaggregated")
     assert (args.prefill_workers, args.decode_workers) == (1, 1)
     assert args.kv_cache_memory == 2**30
+
+
+def test_defaults_are_the_configs_defaults(tmp_path) -> None:
+    args = serve_args("--model", str(tmp_path), "--device", "cpu")
+    assert engine_config(args) == EngineConfig(model=tmp_path, device="cpu")
+    assert deploy_config(args) == DeployConfig()
+    assert args.max_queue == ServerSettings().max_queue
+
+
+def test_every_kv_transport_choice_parses_and_is_registered() -> None:
+    import kvtransfer.torch_dist  # noqa: F401  (registers gloo and nccl)
+    import kvtransfer.ucx  # noqa: F401  (registers ucx, ucx-shm, ucx-tcp; ucxx loads later)
+    from kvtransfer.transport import TRANSPORTS
+
+    choices = serve_choices("--kv-transport")
+    assert choices == ["auto", *TRANSPORT_NAMES]
+    assert sorted(TRANSPORTS) == sorted(TRANSPORT_NAMES)
+    for choice in choices:
+        assert deploy_config(serve_args("--kv-transport", choice)).kv_transport == choice
+
+
+def test_unknown_kv_transport_is_a_usage_error(capsys) -> None:
+    with pytest.raises(SystemExit):
+        serve_args("--kv-transport", "carrier-pigeon")
+    assert "ucx-tcp" in capsys.readouterr().err
+
+
+def test_dtype_and_mode_choices() -> None:
+    assert serve_choices("--dtype") == list(DTYPE_BYTES) == ["bfloat16", "float16", "float32"]
+    assert serve_choices("--mode") == list(MODES) == ["disaggregated", "colocated"]
+
+
+def test_help_shows_the_kv_cache_default_as_a_size(capsys) -> None:
+    with pytest.raises(SystemExit):
+        serve_args("--help")
+    text = " ".join(capsys.readouterr().out.split())
+    assert "e.g. 512MiB or 4GiB (default: 1GiB)" in text
+
+
+@pytest.mark.parametrize(
+    "size,text", [(2**30, "1GiB"), (512 * 2**20, "512MiB"), (3 * 2**10, "3KiB"), (1000, "1000")]
+)
+def test_format_size(size, text) -> None:
+    assert format_size(size) == text
+    assert parse_size(text) == size
 
 
 @pytest.mark.parametrize(
@@ -93,7 +149,7 @@ def free_port() -> int:
 def test_process_serves_then_exits_0_on_signal(tiny_llama, sig) -> None:
     port = free_port()
     command = [
-        sys.executable, "-m", "coordinator.cli", "serve", "--model", str(tiny_llama),
+        sys.executable, "-m", "cli.main", "serve", "--model", str(tiny_llama),
         "--port", str(port), "--dtype", "float32", "--kv-cache-memory", "16MiB",
         "--mode", "colocated", "--log-level", "warning",
     ]  # fmt: skip

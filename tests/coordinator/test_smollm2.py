@@ -9,8 +9,8 @@ import sys
 import openai
 import pytest
 
-from coordinator.local_client import LocalEngineClient
 from engine.config import EngineConfig
+from engine.local_client import LocalEngineClient
 
 QUESTION = "Explain in one sentence why the sky is blue."
 MAX_TOKENS = 24
@@ -26,7 +26,7 @@ def api(serve, smollm2) -> openai.OpenAI:
 
 def tandem_generate(smollm2, *flags: str) -> dict:
     result = subprocess.run(
-        [sys.executable, "-m", "coordinator.cli", "generate", "--model", str(smollm2),
+        [sys.executable, "-m", "cli.main", "generate", "--model", str(smollm2),
          "--prompt", QUESTION, "--max-tokens", str(MAX_TOKENS), "--json", *flags],
         capture_output=True, text=True, timeout=300,
     )  # fmt: skip

@@ -8,11 +8,11 @@ import threading
 from collections.abc import AsyncIterator
 
 from coordinator.api.streams import closing
-from coordinator.local_client import LocalEngineClient
-from coordinator.stats import WorkerStats
-from engine.async_engine import EngineDeadError
+from engine.local_client import LocalEngineClient
 from engine.outputs import RequestOutput
-from engine.sampling_params import SamplingParams
+from protocol.errors import EngineDeadError
+from protocol.sampling import SamplingParams
+from protocol.stats import WorkerStats
 
 
 class WrappedClient:

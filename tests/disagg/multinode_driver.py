@@ -15,7 +15,7 @@ import ray
 
 from coordinator.builder import DeployConfig, build_client, connect_ray
 from engine.config import EngineConfig
-from engine.sampling_params import SamplingParams
+from protocol.sampling import SamplingParams
 
 DEADLINE = 280  # seconds, below the test's timeout for this process
 POOLS = ("prefill", "decode")

@@ -10,7 +10,7 @@ import pytest
 import ray
 
 from engine.llm import LLM
-from engine.sampling_params import SamplingParams
+from protocol.sampling import SamplingParams
 from tests.engine.test_batch_invariance import mixed_prompts
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)

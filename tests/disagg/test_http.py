@@ -14,7 +14,7 @@ from coordinator.api.app import create_app
 from coordinator.builder import DeployConfig, build_client
 from engine.config import EngineConfig
 from engine.llm import LLM
-from engine.sampling_params import SamplingParams
+from protocol.sampling import SamplingParams
 from tests.coordinator.conftest import ServerThread
 
 PROMPT = "tandem moves the KV cache"

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from engine.llm import LLM
-from engine.sampling_params import SamplingParams
+from protocol.sampling import SamplingParams
 
 RAY = Path(sys.executable).with_name("ray")
 pytestmark = pytest.mark.skipif(not RAY.exists(), reason="the ray CLI is not installed")

@@ -8,10 +8,10 @@ import torch
 
 from decode.worker import DecodeWorker
 from engine.config import EngineConfig
-from engine.requests import WorkRequest
-from engine.sampling_params import SamplingParams
 from kvtransfer.transport import make_transport
-from prefill.worker import PrefillResult, PrefillWorker
+from prefill.worker import PrefillReport, PrefillWorker
+from protocol.messages import WorkRequest
+from protocol.sampling import SamplingParams
 
 
 def test_layer_sends_overlap_the_compute_of_later_layers(smollm2) -> None:
@@ -23,21 +23,22 @@ def test_layer_sends_overlap_the_compute_of_later_layers(smollm2) -> None:
         prompt = [(31 * i) % 40000 + 100 for i in range(768)]
         request = WorkRequest("pipe", prompt, SamplingParams(max_tokens=2, temperature=0))
         ticket = decode.reserve(request, prefill.worker_id).result(30)
-        outcome: dict[str, PrefillResult | Exception] = {}
+        outcome: dict[str, PrefillReport | Exception] = {}
         prefill.submit(request, ticket, lambda rid, out: outcome.__setitem__(rid, out))
         deadline = time.monotonic() + 120
         while "pipe" not in outcome:
             assert time.monotonic() < deadline
             time.sleep(0.05)
-        result = outcome["pipe"]
-        assert isinstance(result, PrefillResult)
+        report = outcome["pipe"]
+        assert isinstance(report, PrefillReport)
+        result = report.trace
         num_layers = prefill.layout.num_layers
         assert [layer for layer, _ in result.layers_computed] == list(range(num_layers))
         last_layer_done = result.layers_computed[-1][1]
         sent_early = [layer for layer, start, _ in result.layers_sent if start < last_layer_done]
         # Most layers started moving before the prompt's last layer had even been computed.
         assert len(sent_early) >= num_layers // 2, (sent_early, result.layers_sent[:3])
-        assert result.bytes_sent == ticket.num_bytes
+        assert report.result.bytes_sent == ticket.num_bytes
     finally:
         prefill.shutdown()
         decode.shutdown()

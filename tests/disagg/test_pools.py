@@ -10,7 +10,7 @@ import ray
 
 from engine.config import ModelConfig
 from engine.llm import LLM
-from engine.sampling_params import SamplingParams
+from protocol.sampling import SamplingParams
 from tests.engine.test_batch_invariance import mixed_prompts
 from tests.engine.test_model_parity import hf_greedy
 from tests.support.loop import collect

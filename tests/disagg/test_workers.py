@@ -9,9 +9,9 @@ import torch
 
 from decode.worker import DecodeWorker
 from engine.config import EngineConfig
-from engine.requests import WorkRequest
-from engine.sampling_params import SamplingParams
 from kvtransfer.transport import make_transport
+from protocol.messages import WorkRequest
+from protocol.sampling import SamplingParams
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
 
@@ -30,7 +30,7 @@ def test_unclaimed_reservation_expires_and_frees_its_blocks(tiny_llama) -> None:
         while not updates:
             assert time.monotonic() < deadline, "the lease never expired"
             updates = decode.take_updates(timeout=0.5)
-        assert updates[0].request_id == "orphan" and "did not arrive" in updates[0].error
+        assert updates[0].request_id == "orphan" and "did not arrive" in updates[0].reason
         assert decode.engine.blocks.num_free_blocks == 64
     finally:
         decode.shutdown()

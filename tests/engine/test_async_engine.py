@@ -8,10 +8,11 @@ import pytest
 
 from engine.async_engine import AsyncEngine
 from engine.config import EngineConfig
-from engine.engine import LLMEngine, RequestError
+from engine.engine import LLMEngine
 from engine.llm import LLM
-from engine.sampling_params import SamplingParams
 from engine.tokenizer import Tokenizer
+from protocol.errors import RequestError
+from protocol.sampling import SamplingParams
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
 

@@ -7,7 +7,7 @@ import random
 import pytest
 
 from engine.llm import LLM
-from engine.sampling_params import SamplingParams
+from protocol.sampling import SamplingParams
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
 

@@ -87,7 +87,7 @@ def test_sharded_checkpoint_loads_the_same(copy, tiny_llama) -> None:
     (copy / "model.safetensors").unlink()
     (copy / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
     prompt = [[5, 6, 7, 8]]
-    from engine.sampling_params import SamplingParams
+    from protocol.sampling import SamplingParams
 
     params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
     sharded = LLM(copy, dtype="float32").generate_ids(prompt, params)

@@ -7,7 +7,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from engine.llm import LLM
-from engine.sampling_params import SamplingParams
+from protocol.sampling import SamplingParams
 
 PROMPTS = [
     "The quick brown fox",

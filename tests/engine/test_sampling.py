@@ -7,7 +7,7 @@ import torch
 
 from engine.llm import LLM
 from engine.sampler import SampleRow, filtered_probs, first_argmax, sample
-from engine.sampling_params import SamplingError, SamplingParams
+from protocol.sampling import SamplingError, SamplingParams
 
 
 @pytest.fixture(scope="module")

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 from engine.block_manager import BlockManager
-from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerConfig, StepPlan
-from engine.sequence import FinishReason, Sequence, SequenceStatus
+from engine.sequence import Sequence, SequenceStatus
+from protocol.sampling import FinishReason, SamplingParams
 
 BS = 4
 

@@ -7,7 +7,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from engine.llm import LLM
-from engine.sampling_params import SamplingParams
+from protocol.sampling import SamplingParams
 
 pytestmark = pytest.mark.slow
 

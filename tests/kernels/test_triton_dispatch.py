@@ -56,7 +56,7 @@ def test_ops_pick_triton_on_cuda(use_triton, monkeypatch: pytest.MonkeyPatch) ->
 
 def greedy_tokens(folder, prompts: list[list[int]]) -> list[list[int]]:
     from engine.llm import LLM
-    from engine.sampling_params import SamplingParams
+    from protocol.sampling import SamplingParams
 
     # Small batches and chunks: decode, fresh prefill, and prefill after a cached prefix (the
     # prompts share prefixes; chunks of 64 tokens continue on their own earlier chunks).

@@ -12,10 +12,10 @@ import torch
 from decode.worker import DecodeWorker
 from engine.config import EngineConfig
 from engine.llm import LLM
-from engine.requests import TokenUpdate, WorkRequest
-from engine.sampling_params import SamplingParams
 from kvtransfer.transport import TransferError
-from prefill.worker import PrefillResult, PrefillWorker
+from prefill.worker import PrefillReport, PrefillWorker
+from protocol.messages import RequestFailed, WorkerUpdate, WorkRequest
+from protocol.sampling import SamplingParams
 from tests.engine.test_batch_invariance import mixed_prompts
 from tests.kvtransfer.test_transports import TRANSPORTS, close_transport, transport_named
 
@@ -45,21 +45,23 @@ def workers(request, tiny_llama):
 
 class Outcomes:
     def __init__(self) -> None:
-        self.prefill: dict[str, PrefillResult | Exception] = {}
+        self.prefill: dict[str, PrefillReport | Exception] = {}
         self.tokens: dict[str, list[int]] = {}
         self.errors: dict[str, str] = {}
         self.finished: set[str] = set()
 
-    def on_prefill(self, request_id: str, outcome: PrefillResult | Exception) -> None:
+    def on_prefill(self, request_id: str, outcome: PrefillReport | Exception) -> None:
         self.prefill[request_id] = outcome
 
-    def apply(self, update: TokenUpdate) -> None:
+    def apply(self, update: WorkerUpdate) -> None:
+        if isinstance(update, RequestFailed):
+            self.errors[update.request_id] = update.reason
+            self.finished.add(update.request_id)
+            return
         tokens = self.tokens.setdefault(update.request_id, [])
         assert update.first_index == len(tokens)
         tokens.extend(update.token_ids)
-        if update.error is not None:
-            self.errors[update.request_id] = update.error
-        if update.error is not None or update.finish_reason is not None:
+        if update.finish_reason is not None:
             self.finished.add(update.request_id)
 
 
@@ -99,7 +101,7 @@ def test_bytes_moved_are_the_uncached_kv(workers) -> None:
         sent, received = prefill.bytes_sent, decode.receiver.bytes_received
         outcomes = run(prefill, decode, [WorkRequest(request_id, [*shared, *tail], GREEDY)])
         assert not outcomes.errors
-        assert outcomes.prefill[request_id].bytes_sent == moved * per_token
+        assert outcomes.prefill[request_id].result.bytes_sent == moved * per_token
         assert prefill.bytes_sent - sent == moved * per_token
         assert decode.receiver.bytes_received - received == moved * per_token
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 import io
 
-from coordinator import bench_cmd
+from loadtest import cli as bench_cli
 from loadtest.bench import run_bench
 from loadtest.results import Record
 
@@ -15,13 +15,13 @@ QUIET = ("--disable-tqdm",)
 
 def parse_bench(*argv: str) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="tandem")
-    bench_cmd.add_parser(parser.add_subparsers(dest="command"))
+    bench_cli.add_parser(parser.add_subparsers(dest="command"))
     return parser.parse_args(["bench", *argv])
 
 
 def bench(url: str, *argv: str) -> Record:
     """Runs `tandem bench --base-url URL ARGV...` in-process, quietly, and returns its record."""
-    config = bench_cmd.config_from_args(parse_bench("--base-url", url, *QUIET, *argv))
+    config = bench_cli.config_from_args(parse_bench("--base-url", url, *QUIET, *argv))
     return run_bench(config, out=io.StringIO())
 
 

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
-from coordinator import cli
+from cli import main as cli
 
 
 @pytest.fixture
@@ -34,6 +36,22 @@ def test_failure_is_one_line_and_exit_one(tandem, serve, capsys) -> None:
     expected = f"the first request to {server.url}/v2/nothing failed: HTTP 404 Not Found"
     assert err.startswith(f"tandem bench: error: {expected}")
     assert "\n" not in err and "Traceback" not in err
+
+
+def test_bench_flags_import_neither_cli_nor_coordinator() -> None:
+    probe = "import sys, loadtest.cli; print(*sorted(m.split('.')[0] for m in sys.modules))"
+    root = Path(__file__).resolve().parents[2]
+    result = subprocess.run(
+        [sys.executable, "-c", probe], capture_output=True, text=True, timeout=60, cwd=root
+    )
+    assert result.returncode == 0, result.stderr
+    assert {"cli", "coordinator", "torch"}.isdisjoint(result.stdout.split())
+
+
+def test_bench_error_is_one_line(tandem, capsys) -> None:
+    assert tandem(["bench", "--dataset-name", "sharegpt", "--disable-tqdm"]) == 1
+    err = capsys.readouterr().err.strip()
+    assert err == "tandem bench: error: --dataset-name sharegpt needs --dataset-path"
 
 
 def test_compare_missing_file(tandem, tmp_path: Path, capsys) -> None:

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from coordinator import bench_cmd
+from loadtest import cli as bench_cli
 from loadtest.client import RequestResult
 from loadtest.compare import compare_table, load_labelled
 from loadtest.errors import BenchError
@@ -53,7 +53,7 @@ def test_compare_cli_prints_and_plots(tmp_path: Path, capsys) -> None:
     a = save(make_record(itl=0.02), tmp_path / "a.json")
     b = save(make_record(itl=0.04, failures=1), tmp_path / "b.json")
     args = parse_bench("compare", str(a), str(b), "--plot", str(tmp_path / "plots"))
-    assert bench_cmd.run(args) == 0
+    assert bench_cli.run(args) == 0
     assert "(+100.0%)" in capsys.readouterr().out
     for name in ("compare_latency_cdf.png", "compare_summary.png"):
         assert min(png_size(tmp_path / "plots" / name)) > 100

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from coordinator import cli
+from cli import main as cli
 from loadtest.serve_process import ServeProcess
 
 NUM_PROMPTS = 8

@@ -1,4 +1,5 @@
-"""LocalEngineClient: one colocated engine in this process, behind the `EngineClient` protocol.
+"""LocalEngineClient: one colocated engine in this process, behind the HTTP app's EngineClient
+protocol (`coordinator.api.client`).
 
 It wraps an `LLMEngine` stepping in `AsyncEngine`'s thread. The engine thread starts on the
 event loop that first calls `ready()` or `generate()`, and that loop must serve every later
@@ -11,13 +12,13 @@ import asyncio
 from collections.abc import AsyncIterator
 from pathlib import Path
 
-from coordinator.stats import WorkerStats
 from engine.async_engine import AsyncEngine
 from engine.config import EngineConfig
 from engine.engine import LLMEngine
 from engine.outputs import RequestOutput
-from engine.sampling_params import SamplingParams
 from engine.tokenizer import Tokenizer
+from protocol.sampling import SamplingParams
+from protocol.stats import WorkerStats
 
 WORKER_NAME = "colocated-0"
 
@@ -38,8 +39,8 @@ class LocalEngineClient:
         tokenizer = Tokenizer(engine.model_config.path)
         return cls(engine, tokenizer, model_name or Path(config.model).name)
 
-    def check_request(self, prompt_ids: list[int]) -> None:
-        self.engine.check_request(prompt_ids)
+    def check_request(self, prompt_ids: list[int], params: SamplingParams | None = None) -> None:
+        self.engine.check_request(prompt_ids, params)
 
     def generate(
         self, prompt_ids: list[int], params: SamplingParams, request_id: str
@@ -48,22 +49,9 @@ class LocalEngineClient:
         return self._async.generate(prompt_ids, params, request_id)
 
     def stats(self) -> list[WorkerStats]:
-        # Read from the event loop while the engine thread mutates: list() copies the waiting
-        # deque in one step under the GIL; the counts may be a step stale, which is fine here.
-        scheduler, blocks = self.engine.scheduler, self.engine.blocks
-        waiting = list(scheduler.waiting)
-        stats = WorkerStats(
-            worker=WORKER_NAME,
-            pool="colocated",
-            num_running=len(scheduler.running),
-            num_waiting=len(waiting),
-            queued_prefill_tokens=sum(seq.num_uncomputed_tokens for seq in waiting),
-            num_free_blocks=blocks.num_free_blocks,
-            num_total_blocks=blocks.num_blocks,
-            prefix_cache_queries=blocks.prefix_queries,
-            prefix_cache_hits=blocks.prefix_hits,
-        )
-        return [stats]
+        # Read from the event loop while the engine thread steps: the counts may be a step
+        # stale (each is one read under the GIL), which is fine for metrics.
+        return [WorkerStats.of(WORKER_NAME, "colocated", self.engine.snapshot())]
 
     async def ready(self) -> None:
         if not self._started:

@@ -1,5 +1,6 @@
-"""The `tandem` command line. Each subcommand lives in its own module; this file dispatches and
-turns every expected failure into one line on stderr and a non-zero exit."""
+"""The `tandem` command line. Each subcommand lives in its own module (`bench` in `loadtest.cli`);
+this file dispatches and turns every expected failure into one line on stderr and a non-zero exit.
+Subcommand modules never import this one: they raise `cli.errors.CliError` (or `BenchError`)."""
 
 from __future__ import annotations
 
@@ -8,14 +9,13 @@ import os
 import sys
 from collections.abc import Callable, Sequence
 
-from coordinator import bench_cmd, generate_cmd, serve_cmd
+from cli import generate, serve
+from cli.errors import CliError
+from loadtest import cli as bench_cli
+from loadtest.errors import BenchError
 
 EXIT_FAILURE = 1
 EXIT_USAGE = 2
-
-
-class CliError(Exception):
-    """A failure the user can act on; printed as one line."""
 
 
 class _Parser(argparse.ArgumentParser):
@@ -28,9 +28,9 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     fetch = commands.add_parser("fetch-model", help="prepare the default model, print its folder")
     fetch.set_defaults(run=_fetch_model)
-    generate_cmd.add_parser(commands)
-    bench_cmd.add_parser(commands)
-    serve_cmd.add_parser(commands)
+    generate.add_parser(commands)
+    bench_cli.add_parser(commands)
+    serve.add_parser(commands)
     return parser
 
 
@@ -56,16 +56,16 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _describe(err: Exception) -> str:
+    if isinstance(err, (CliError, BenchError)):  # before the engine's errors, which load torch
+        return str(err)
     from engine.config import ConfigError
-    from engine.engine import RequestError
     from engine.fetch import FetchError
-    from engine.sampling_params import SamplingError
     from engine.tokenizer import TokenizerError
     from engine.weights import WeightsError
+    from protocol.errors import RequestError
+    from protocol.sampling import SamplingError
 
-    expected = (
-        CliError, ConfigError, FetchError, RequestError, SamplingError, TokenizerError, WeightsError
-    )  # fmt: skip
+    expected = (ConfigError, FetchError, RequestError, SamplingError, TokenizerError, WeightsError)
     if isinstance(err, expected):
         return str(err)
     return f"{type(err).__name__}: {err}"

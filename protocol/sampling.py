@@ -1,12 +1,30 @@
-"""SamplingParams: how one request picks its tokens and when it stops."""
+"""How one request picks its tokens and why it stopped: the sampling half of every request."""
 
 from __future__ import annotations
 
+import enum
+from collections.abc import Collection
 from dataclasses import dataclass
+from typing import NamedTuple
 
 
 class SamplingError(ValueError):
     """Sampling parameters that make no sense; the message names the parameter."""
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(f"{param} {message}")
+        self.param = param
+
+
+class FinishReason(str, enum.Enum):
+    STOP = "stop"  # EOS, a stop token or a stop string
+    LENGTH = "length"  # max_tokens or the context length
+    ABORT = "abort"
+
+
+class TokenLogprobs(NamedTuple):
+    logprob: float  # of the chosen token
+    top: list[tuple[int, float]]  # the most likely tokens, best first
 
 
 @dataclass(frozen=True)
@@ -14,7 +32,7 @@ class SamplingParams:
     max_tokens: int = 16
     min_tokens: int = 0
     temperature: float = 1.0
-    top_k: int = 0  # 0 = off
+    top_k: int | None = None  # None: every token stays a candidate
     top_p: float = 1.0
     min_p: float = 0.0
     seed: int | None = None
@@ -36,7 +54,7 @@ class SamplingParams:
         _check(self.max_tokens >= 1, "max_tokens", "must be at least 1")
         _check(0 <= self.min_tokens <= self.max_tokens, "min_tokens", "must be in [0, max_tokens]")
         _check(self.temperature >= 0, "temperature", "must be non-negative")
-        _check(self.top_k >= 0 or self.top_k == -1, "top_k", "must be 0 or -1 (off) or positive")
+        _check(self.top_k is None or self.top_k >= 1, "top_k", "must be positive (None: off)")
         _check(0 < self.top_p <= 1, "top_p", "must be in (0, 1]")
         _check(0 <= self.min_p <= 1, "min_p", "must be in [0, 1]")
         _check(self.repetition_penalty > 0, "repetition_penalty", "must be positive")
@@ -44,6 +62,7 @@ class SamplingParams:
         _check(-2 <= self.frequency_penalty <= 2, "frequency_penalty", "must be in [-2, 2]")
         _check(all(self.stop), "stop", "must not contain empty strings")
         _check(self.logprobs is None or 0 <= self.logprobs <= 20, "logprobs", "must be in [0, 20]")
+        _check(self.seed is None or 0 <= self.seed < 2**64, "seed", "must be in [0, 2**64)")
 
     @property
     def greedy(self) -> bool:
@@ -57,7 +76,18 @@ class SamplingParams:
             or self.frequency_penalty != 0.0
         )
 
+    def stop_ids(self, eos_ids: Collection[int]) -> frozenset[int]:
+        """The one stop rule for token ids: the request's stop tokens, plus EOS unless ignored."""
+        if self.ignore_eos:
+            return frozenset(self.stop_token_ids)
+        return frozenset(self.stop_token_ids).union(eos_ids)
+
+    def check_vocab(self, vocab_size: int) -> None:
+        """Raises SamplingError when a token id or a count points past the model's vocabulary."""
+        bad = [t for t in self.stop_token_ids if not 0 <= t < vocab_size]
+        _check(not bad, "stop_token_ids", f"must be in [0, {vocab_size}); got {bad[:3]}")
+
 
 def _check(ok: bool, name: str, message: str) -> None:
     if not ok:
-        raise SamplingError(f"{name} {message}")
+        raise SamplingError(name, message)

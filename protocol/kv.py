@@ -1,10 +1,17 @@
-"""Ticket: a decode worker's answer to "where does this request's KV go?" (plain data)."""
+"""Where a request's KV goes and what shape it has: a decode worker's Ticket, as plain data."""
 
 from __future__ import annotations
 
 from typing import NamedTuple
 
-from kvtransfer.transport import Endpoint
+# The one table of model dtypes: their names (config files, flags, KV layouts) and sizes. Torch's
+# dtype of the same name is `getattr(torch, name)`.
+DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
+
+
+class Endpoint(NamedTuple):
+    host: str
+    port: int
 
 
 class KVLayout(NamedTuple):
@@ -16,8 +23,7 @@ class KVLayout(NamedTuple):
     dtype: str
 
     def bytes_per_token_layer(self) -> int:
-        itemsize = {"float32": 4, "bfloat16": 2, "float16": 2}[self.dtype]
-        return 2 * self.kv_heads * self.head_dim * itemsize
+        return 2 * self.kv_heads * self.head_dim * DTYPE_BYTES[self.dtype]
 
     def bytes_for(self, num_tokens: int) -> int:
         return num_tokens * self.num_layers * self.bytes_per_token_layer()

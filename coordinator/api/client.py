@@ -10,10 +10,10 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from typing import Protocol
 
-from coordinator.stats import WorkerStats
 from engine.outputs import RequestOutput
-from engine.sampling_params import SamplingParams
 from engine.tokenizer import Tokenizer
+from protocol.sampling import SamplingParams
+from protocol.stats import WorkerStats
 
 
 class EngineClient(Protocol):

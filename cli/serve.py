@@ -1,7 +1,9 @@
 """`tandem serve`: the OpenAI-compatible HTTP endpoint in front of the engine pools.
 
-Flags map to an `EngineConfig` (per worker), `ServerSettings` (HTTP) and the cluster layout;
-`make_client` is the one place that turns them into a backend.
+Flags map to an `EngineConfig` (per worker), `ServerSettings` (HTTP) and a `DeployConfig` (the
+cluster layout), and take their defaults from those dataclasses; `make_client` is the one place
+that turns them into a backend. Everything imported at the top is torch-free and Ray-free: the
+CLI imports this module for `--help`, and torch and Ray load only when serving.
 """
 
 from __future__ import annotations
@@ -11,20 +13,27 @@ import logging
 import os
 import re
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
-from coordinator.bench_cmd import _DefaultsFormatter
+from cli.defaults import default_of
+from cli.errors import CliError
+from coordinator.api.settings import ServerSettings
+from coordinator.deploy import MODES, DeployConfig
+from engine.config import EngineConfig
+from kvtransfer.names import TRANSPORT_NAMES
+from loadtest.cli import DefaultsFormatter
+from protocol.kv import DTYPE_BYTES
 
-if TYPE_CHECKING:  # the CLI imports this module; torch and Ray load only when serving
-    from coordinator.builder import DeployConfig
-    from coordinator.client import EngineClient
-    from engine.config import EngineConfig
+if TYPE_CHECKING:
+    from coordinator.api.client import EngineClient
 
 log = logging.getLogger(__name__)
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8000
+DEFAULT_SHUTDOWN_GRACE_S = 30.0
 SIZE_UNITS = {"": 1, "k": 1e3, "m": 1e6, "g": 1e9, "ki": 2**10, "mi": 2**20, "gi": 2**30}
+KV_TRANSPORT_CHOICES = ("auto", *TRANSPORT_NAMES)
 
 
 def add_parser(commands: argparse._SubParsersAction) -> None:
@@ -33,7 +42,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         help="serve a model over an OpenAI-compatible HTTP API",
         description="Serve a model over an OpenAI-compatible HTTP API (/v1/completions, "
         "/v1/chat/completions, /v1/models, /tokenize, /detokenize, /health, /ready, /metrics).",
-        formatter_class=_DefaultsFormatter,
+        formatter_class=DefaultsFormatter,
     )
     _add_http_flags(p.add_argument_group("HTTP"))
     _add_model_flags(p.add_argument_group("model and engine (per worker)"))
@@ -53,13 +62,13 @@ def _add_http_flags(g: argparse._ArgumentGroup) -> None:
     g.add_argument(
         "--max-queue",
         type=int,
-        default=256,
+        default=default_of(ServerSettings, "max_queue"),
         help="requests admitted but without output yet; more get 503 with Retry-After",
     )
     g.add_argument(
         "--shutdown-grace",
         type=float,
-        default=30.0,
+        default=DEFAULT_SHUTDOWN_GRACE_S,
         metavar="S",
         help="on SIGINT/SIGTERM, seconds requests in flight get to finish",
     )
@@ -69,62 +78,87 @@ def _add_http_flags(g: argparse._ArgumentGroup) -> None:
 
 
 def _add_model_flags(g: argparse._ArgumentGroup) -> None:
+    def engine(name: str) -> Any:
+        return default_of(EngineConfig, name)
+
     g.add_argument("--model", type=Path, help="model folder (default: the fetched default model)")
     g.add_argument("--served-model-name", help="model id clients use (default: folder name)")
-    g.add_argument(
-        "--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"], help="weights"
-    )
+    g.add_argument("--dtype", default=engine("dtype"), choices=list(DTYPE_BYTES), help="weights")
     g.add_argument(
         "--device", default="auto", choices=["auto", "cpu", "cuda"], help="auto: cuda if present"
     )
-    g.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
+    g.add_argument(
+        "--block-size", type=int, default=engine("block_size"), help="tokens per KV block"
+    )
     g.add_argument(
         "--kv-cache-memory",
         type=parse_size,
-        default=2**30,
+        default=engine("kv_cache_memory_bytes"),
         metavar="BYTES",
-        help="KV cache per worker, e.g. 512MiB or 4GiB (default: 1GiB)",
+        help="KV cache per worker, e.g. 512MiB or 4GiB "
+        f"(default: {format_size(engine('kv_cache_memory_bytes'))})",
     )
-    g.add_argument("--max-num-seqs", type=int, default=64, help="running requests per worker")
     g.add_argument(
-        "--max-num-batched-tokens", type=int, default=2048, help="tokens per engine step"
+        "--max-num-seqs",
+        type=int,
+        default=engine("max_num_seqs"),
+        help="running requests per worker",
+    )
+    g.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=engine("max_num_batched_tokens"),
+        help="tokens per engine step",
     )
     g.add_argument("--max-model-len", type=int, help="context length (default: the model's)")
     g.add_argument(
-        "--prefix-caching", action=argparse.BooleanOptionalAction, default=True, help="reuse KV"
+        "--prefix-caching",
+        action=argparse.BooleanOptionalAction,
+        default=engine("enable_prefix_caching"),
+        help="reuse KV",
     )
-    g.add_argument("--seed", type=int, default=0, help="seeds unseeded sampling")
+    g.add_argument("--seed", type=int, default=engine("seed"), help="seeds unseeded sampling")
 
 
 def _add_cluster_flags(g: argparse._ArgumentGroup) -> None:
+    def deploy(name: str) -> Any:
+        return default_of(DeployConfig, name)
+
     g.add_argument(
         "--mode",
-        default="disaggregated",
-        choices=["disaggregated", "colocated"],
+        default=deploy("mode"),
+        choices=MODES,
         help="separate prefill and decode pools, or one pool doing both",
     )
     g.add_argument(
         "--address", help="Ray cluster to join ('auto' on a head node; default: start one)"
     )
-    g.add_argument("--prefill-workers", type=int, default=1, help="prefill pool size")
-    g.add_argument("--decode-workers", type=int, default=1, help="decode (or colocated) pool size")
+    g.add_argument(
+        "--prefill-workers", type=int, default=deploy("num_prefill"), help="prefill pool size"
+    )
+    g.add_argument(
+        "--decode-workers",
+        type=int,
+        default=deploy("num_decode"),
+        help="decode (or colocated) pool size",
+    )
     g.add_argument(
         "--local-prefill-threshold",
         type=int,
-        default=0,
+        default=deploy("local_prefill_threshold"),
         metavar="TOKENS",
         help="prompts with fewer uncached tokens are prefilled on the decode worker; 0: never",
     )
     g.add_argument(
         "--kv-transport",
-        default="auto",
-        choices=["auto", "gloo", "nccl", "ucx"],
+        default=deploy("kv_transport"),
+        choices=KV_TRANSPORT_CHOICES,
         help="how KV moves between workers; auto: nccl on GPU, gloo on CPU",
     )
     g.add_argument(
         "--kv-transfer-timeout",
         type=float,
-        default=60.0,
+        default=deploy("transfer_timeout"),
         metavar="SECONDS",
         help="how long a decode worker holds blocks reserved for KV that has not arrived",
     )
@@ -138,13 +172,20 @@ def parse_size(text: str) -> int:
     return int(float(match.group(1)) * SIZE_UNITS[(match.group(2) or "").lower()])
 
 
+def format_size(num_bytes: int) -> str:
+    """2**30 -> '1GiB': the largest binary unit that divides it exactly, else bytes."""
+    for unit in ("Gi", "Mi", "Ki"):
+        scale = int(SIZE_UNITS[unit.lower()])
+        if num_bytes >= scale and num_bytes % scale == 0:
+            return f"{num_bytes // scale}{unit}B"
+    return str(num_bytes)
+
+
 def run(args: argparse.Namespace) -> int:
     import uvicorn
 
     from coordinator.api.app import create_app
-    from coordinator.api.context import ServerSettings
     from coordinator.api.server import CANCEL_AFTER_DRAIN_S, DrainingServer
-    from coordinator.cli import CliError
 
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     if args.max_queue < 1:
@@ -181,8 +222,6 @@ def make_client(args: argparse.Namespace) -> EngineClient:
 
 def deploy_config(args: argparse.Namespace) -> DeployConfig:
     """Where the workers run and how they talk, from the flags."""
-    from coordinator.builder import DeployConfig
-
     return DeployConfig(
         mode=args.mode,
         num_prefill=args.prefill_workers,
@@ -197,8 +236,6 @@ def deploy_config(args: argparse.Namespace) -> DeployConfig:
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
     """One worker's engine settings, from the flags."""
-    from engine.config import EngineConfig
-
     return EngineConfig(
         model=model_folder(args.model),
         dtype=args.dtype,
@@ -214,8 +251,6 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
 
 
 def model_folder(model: Path | None) -> Path:
-    from coordinator.cli import CliError
-
     if model is None:
         from engine.fetch import fetch_default_model
 

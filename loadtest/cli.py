@@ -1,6 +1,8 @@
 """`tandem bench`: load-test an OpenAI-compatible server (tandem, vLLM, SGLang) with the metric
 definitions and JSON keys of `vllm bench serve`; `tandem bench compare` puts saved results side
-by side. The work lives in `loadtest/`; this module only maps flags to a `BenchConfig`."""
+by side. This module only maps flags to a `BenchConfig`; `cli.main` registers it through
+`add_parser` and prints a `BenchError` as one line. It imports nothing from `cli/` or
+`coordinator/`: the command line depends on the load tester, never the reverse."""
 
 from __future__ import annotations
 
@@ -22,14 +24,16 @@ from loadtest.config import (
     ShareGPTSpec,
     TargetConfig,
 )
+from loadtest.errors import BenchError
 
 DEFAULT_BASE_URL = "http://127.0.0.1:8000"
 DEFAULT_REQUEST_TIMEOUT_S = 600.0
 DATASETS = ("random", "sharegpt", "prefix-repetition", "mixed")
 
 
-class _DefaultsFormatter(argparse.HelpFormatter):
-    """Shows a flag's default, unless it has none or its help already speaks of it."""
+class DefaultsFormatter(argparse.HelpFormatter):
+    """Shows a flag's default, unless it has none or its help already speaks of it. `tandem
+    serve` and `tandem generate` use it too (cli/ may import loadtest/, not the reverse)."""
 
     def _get_help_string(self, action: argparse.Action) -> str:
         text = action.help or ""
@@ -45,7 +49,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         help="load-test an OpenAI-compatible server",
         description="Load-test an OpenAI-compatible server; 'tandem bench compare A.json B.json' "
         "compares saved results.",
-        formatter_class=_DefaultsFormatter,
+        formatter_class=DefaultsFormatter,
     )
     _add_target_flags(p.add_argument_group("target"))
     _add_dataset_flags(p.add_argument_group("workload"))
@@ -164,18 +168,13 @@ def _add_output_flags(g: argparse._ArgumentGroup) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from coordinator.cli import CliError
-    from loadtest.errors import BenchError
+    """Raises BenchError for failures the user can act on."""
+    if args.bench_command == "compare":
+        return _compare(args.results, args.plot)
+    from loadtest.bench import run_bench
 
-    try:
-        if args.bench_command == "compare":
-            return _compare(args.results, args.plot)
-        from loadtest.bench import run_bench
-
-        run_bench(config_from_args(args), out=sys.stdout)
-        return 0
-    except BenchError as err:
-        raise CliError(str(err)) from err
+    run_bench(config_from_args(args), out=sys.stdout)
+    return 0
 
 
 def config_from_args(args: argparse.Namespace) -> BenchConfig:
@@ -237,8 +236,6 @@ def _dataset_spec(args: argparse.Namespace) -> DatasetSpec:
 
 
 def _sharegpt_spec(args: argparse.Namespace) -> ShareGPTSpec:
-    from loadtest.errors import BenchError
-
     if args.dataset_path is None:
         raise BenchError("--dataset-name sharegpt needs --dataset-path")
     return ShareGPTSpec(args.dataset_path, args.sharegpt_output_len)

@@ -1,0 +1,19 @@
+"""Flag defaults read from the config dataclasses, so a default is written down once."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+
+def default_of(cls: type, name: str) -> Any:
+    """The default of field `name` of the dataclass `cls`; TypeError when it has none."""
+    for field in dataclasses.fields(cls):
+        if field.name != name:
+            continue
+        if field.default is not dataclasses.MISSING:
+            return field.default
+        if field.default_factory is not dataclasses.MISSING:
+            return field.default_factory()
+        raise TypeError(f"{cls.__name__}.{name} has no default")
+    raise TypeError(f"{cls.__name__} has no field {name!r}")

@@ -1,0 +1,29 @@
+"""DeployConfig: where the workers run and how they talk. Plain data, no torch and no Ray, so the
+command line can read its defaults without loading either; `coordinator.builder` acts on it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from engine.config import ConfigError
+
+MODES = ("disaggregated", "colocated")
+
+
+@dataclass(frozen=True)
+class DeployConfig:
+    mode: str = "disaggregated"
+    num_prefill: int = 1
+    num_decode: int = 1
+    address: str | None = None  # Ray cluster to join; None starts a local one
+    kv_transport: str = "auto"  # auto, or one of kvtransfer.names.TRANSPORT_NAMES
+    transfer_timeout: float = 60.0  # seconds a reservation waits for its KV (a lease)
+    local_prefill_threshold: int = 0  # tokens; shorter uncached prompts prefill on decode
+    threads_per_worker: int | None = None  # CPU only; default: cores / workers
+    model_name: str | None = None  # served id; default: the model folder's name
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ConfigError(f"mode must be one of {', '.join(MODES)}, not {self.mode!r}")
+        if self.num_decode < 1 or self.num_prefill < (self.mode == "disaggregated"):
+            raise ConfigError("disaggregated mode needs at least one prefill and one decode worker")

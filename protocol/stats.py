@@ -1,0 +1,104 @@
+"""What each worker reports for metrics and routing: plain data, fixed size whatever the uptime.
+
+Counters are cumulative since the worker started; the metrics endpoint exports them as they are.
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+# Upper bounds (seconds) of the kv_transfer_seconds histogram buckets; +Inf is implied.
+TRANSFER_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+
+
+@dataclass
+class Histogram:
+    """Counts per bucket, a count and a sum: O(1) memory and O(log buckets) per observation."""
+
+    bounds: tuple[float, ...] = TRANSFER_BUCKETS
+    counts: list[int] = field(default_factory=list)  # per bucket, the last one is +Inf
+    count: int = 0
+    total: float = 0.0
+
+    def __post_init__(self) -> None:
+        if not self.counts:
+            self.counts = [0] * (len(self.bounds) + 1)
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect.bisect_left(self.bounds, value)] += 1
+        self.count += 1
+        self.total += value
+
+    def cumulative(self) -> tuple[int, ...]:
+        """Cumulative counts per finite bound, as Prometheus buckets are."""
+        out, running = [], 0
+        for n in self.counts[:-1]:
+            running += n
+            out.append(running)
+        return tuple(out)
+
+
+class EngineSnapshot(NamedTuple):
+    """One engine's counts at a moment (LLMEngine.snapshot())."""
+
+    num_running: int
+    num_waiting: int
+    queued_prefill_tokens: int  # prompt tokens admitted but not yet computed
+    num_free_blocks: int
+    num_total_blocks: int
+    prefix_cache_queries: int  # prompt tokens looked up in the prefix cache
+    prefix_cache_hits: int  # of those, tokens found cached
+
+
+@dataclass(frozen=True)
+class WorkerStats:
+    worker: str  # e.g. "prefill-0", "decode-1", "colocated-0"
+    pool: str  # "prefill" | "decode" | "colocated"
+    num_running: int = 0
+    num_waiting: int = 0
+    queued_prefill_tokens: int = 0
+    num_free_blocks: int = 0
+    num_total_blocks: int = 0
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+    kv_transfer_bytes: int = 0  # KV bytes this worker sent (prefill) or received (decode)
+    kv_transfer_failures: int = 0
+    kv_transfer_count: int = 0  # completed request transfers
+    kv_transfer_seconds_sum: float = 0.0
+    kv_transfer_buckets: tuple[int, ...] = (0,) * len(TRANSFER_BUCKETS)  # cumulative counts
+    requests_prefilled_locally: int = 0
+    kv_transport: str = ""  # gloo | nccl | ucx; empty where nothing moves
+
+    @classmethod
+    def of(cls, worker: str, pool: str, engine: EngineSnapshot, **transfer: object) -> WorkerStats:
+        """An engine's snapshot plus the worker's own transfer counters."""
+        return cls(worker, pool, **engine._asdict(), **transfer)  # type: ignore[arg-type]
+
+    @property
+    def kv_cache_usage(self) -> float:
+        if not self.num_total_blocks:
+            return 0.0
+        return 1.0 - self.num_free_blocks / self.num_total_blocks
+
+
+@dataclass
+class TransferCounters:
+    """A worker's KV transfer counters (owned by its engine thread)."""
+
+    transport: str
+    bytes: int = 0
+    failures: int = 0
+    seconds: Histogram = field(default_factory=Histogram)
+
+    def fields(self) -> dict[str, object]:
+        """WorkerStats fields for these counters."""
+        return {
+            "kv_transfer_bytes": self.bytes,
+            "kv_transfer_failures": self.failures,
+            "kv_transfer_count": self.seconds.count,
+            "kv_transfer_seconds_sum": self.seconds.total,
+            "kv_transfer_buckets": self.seconds.cumulative(),
+            "kv_transport": self.transport,
+        }

@@ -1,0 +1,48 @@
+"""connect_ray: only a Ray cluster this process starts itself runs without token auth. Ray is
+never started here: ray.init and ray.is_initialized are stand-ins."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import ray
+
+from coordinator.builder import connect_ray
+
+
+@pytest.fixture
+def ray_init(monkeypatch: pytest.MonkeyPatch) -> list[dict]:
+    """ray.init's calls, recorded instead of run; RAY_AUTH_MODE unset beforehand."""
+    calls: list[dict] = []
+    monkeypatch.delenv("RAY_AUTH_MODE", raising=False)
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(ray, "init", lambda **kwargs: calls.append(kwargs))
+    return calls
+
+
+def test_local_cluster_runs_without_auth(ray_init) -> None:
+    connect_ray(None, num_cpus=2)
+    assert [(call["address"], call["num_cpus"]) for call in ray_init] == [("local", 2)]
+    assert os.environ.get("RAY_AUTH_MODE") == "disabled"
+
+
+def test_local_cluster_keeps_an_auth_mode_already_set(ray_init, monkeypatch) -> None:
+    monkeypatch.setenv("RAY_AUTH_MODE", "token")
+    connect_ray(None)
+    assert len(ray_init) == 1
+    assert os.environ["RAY_AUTH_MODE"] == "token"
+
+
+@pytest.mark.parametrize("address", ["auto", "ray://head:10001", "10.0.0.5:6379"])
+def test_joining_a_remote_cluster_leaves_auth_alone(ray_init, address) -> None:
+    connect_ray(address)
+    assert [call["address"] for call in ray_init] == [address]
+    assert "RAY_AUTH_MODE" not in os.environ
+
+
+def test_already_connected_does_nothing(ray_init, monkeypatch) -> None:
+    monkeypatch.setattr(ray, "is_initialized", lambda: True)
+    connect_ray(None)
+    assert ray_init == []
+    assert "RAY_AUTH_MODE" not in os.environ

@@ -1,0 +1,115 @@
+"""A bad request fails alone: every input that once took the engine down is refused with a 400
+that names the field (or served, where the value is clamped), and the next request succeeds
+with the same greedy tokens as before. Also: a request whose sampling raises inside the engine
+thread fails by itself while the requests batched with it finish."""
+
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+import pytest
+
+from engine.async_engine import AsyncEngine
+from engine.config import EngineConfig
+from engine.engine import LLMEngine
+from engine.tokenizer import Tokenizer
+from protocol.errors import RequestFailedError
+from protocol.sampling import SamplingParams
+from tests.coordinator.conftest import local_client
+
+GREEDY = {"prompt": "hello there", "max_tokens": 8, "temperature": 0, "ignore_eos": True}
+
+
+@pytest.fixture(scope="module")
+def client(tiny_llama):
+    return local_client(tiny_llama)
+
+
+@pytest.fixture(scope="module")
+def http(serve, client):
+    server = serve(client)
+    with httpx.Client(base_url=server.url, timeout=60) as http:
+        yield http
+
+
+def poison_cases(vocab: int) -> list[tuple[str, dict, int, str | None]]:
+    """(route, body, expected status, expected error param)."""
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+    completion = {"prompt": "hi", "max_tokens": 4}
+    return [
+        ("completions", {**completion, "min_tokens": 2, "stop_token_ids": [vocab]}, 400,
+         "stop_token_ids"),
+        ("chat/completions", {**chat, "min_tokens": 2, "stop_token_ids": [vocab]}, 400,
+         "stop_token_ids"),
+        ("completions", {**completion, "min_tokens": 2, "stop_token_ids": [10**18]}, 400,
+         "stop_token_ids"),
+        ("chat/completions", {**chat, "min_tokens": 2, "stop_token_ids": [2**64]}, 400,
+         "stop_token_ids"),
+        ("completions", {**completion, "stop_token_ids": [-1]}, 400, "stop_token_ids"),
+        ("completions", {**completion, "seed": 2**64}, 400, "seed"),
+        ("completions", {**completion, "prompt": [vocab]}, 400, "prompt"),
+        ("completions", {**completion, "prompt": [[1, 2], [2**63]]}, 400, "prompt"),
+        # top_k past the vocabulary means "every token": clamped, served.
+        ("completions", {**completion, "temperature": 0.7, "top_k": 2**63}, 200, None),
+        ("chat/completions", {**chat, "temperature": 0.7, "top_k": 10**30}, 200, None),
+        ("completions", {**completion, "temperature": 0.7, "top_k": -1}, 200, None),
+    ]  # fmt: skip
+
+
+def test_poison_requests_fail_alone(http, client) -> None:
+    vocab = client.engine.model_config.vocab_size
+    before = http.post("/v1/completions", json=GREEDY)
+    assert before.status_code == 200, before.text
+    for route, body, status, param in poison_cases(vocab):
+        response = http.post(f"/v1/{route}", json=body)
+        assert response.status_code == status, (route, body, response.text)
+        if status == 400:
+            error = response.json()["error"]
+            assert error["param"] == param, (body, error)
+            assert error["type"] == "invalid_request_error"
+        after = http.post("/v1/completions", json=GREEDY)
+        assert after.status_code == 200, (body, after.text)
+        assert after.json()["choices"][0]["text"] == before.json()["choices"][0]["text"]
+    assert http.get("/ready").status_code == 200
+
+
+def test_sampling_fault_fails_only_its_request(tiny_llama, monkeypatch) -> None:
+    """A test hook raises inside one request's sampling (the row seeded 666): that request
+    gets RequestFailedError, the greedy requests in the same batches finish exactly."""
+    import engine.engine as engine_module
+
+    real_sample = engine_module.sample
+
+    def faulty_sample(logits, rows):
+        if any(row.params.seed == 666 for row in rows):
+            raise RuntimeError("injected sampling fault")
+        return real_sample(logits, rows)
+
+    core = LLMEngine(EngineConfig(model=tiny_llama, dtype="float32", block_size=4))
+    tokenizer = Tokenizer(tiny_llama)
+    greedy = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
+    prompts = [[5, 6, 7], [8, 9, 10, 11], [12, 13]]
+    expected = asyncio.run(_run(AsyncEngine(core, tokenizer), prompts, greedy, None))
+    monkeypatch.setattr(engine_module, "sample", faulty_sample)
+    poisoned = SamplingParams(max_tokens=10, temperature=0.8, seed=666)
+    outcomes = asyncio.run(_run(AsyncEngine(core, tokenizer), prompts, greedy, poisoned))
+    assert isinstance(outcomes[-1], RequestFailedError)
+    assert "injected sampling fault" in str(outcomes[-1])
+    assert outcomes[:-1] == expected[:-1]
+    assert core.blocks.num_free_blocks == core.num_blocks  # nothing leaked
+
+
+async def _run(engine: AsyncEngine, prompts, params, poisoned) -> list:
+    async def one(prompt, p):
+        try:
+            return [out async for out in engine.generate(prompt, p)][-1].token_ids
+        except RequestFailedError as err:
+            return err
+
+    jobs = [one(p, params) for p in prompts]
+    jobs.append(one([14, 15, 16], poisoned or params))
+    try:
+        return await asyncio.gather(*jobs)
+    finally:
+        engine.shutdown()

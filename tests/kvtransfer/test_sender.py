@@ -1,0 +1,242 @@
+"""KVSender over an in-memory transport: what reaches the wire, in what order, and what each
+request's on_finished reports, when sends succeed, fail, or the request is aborted."""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import pytest
+import torch
+
+from kvtransfer.sender import WINDOW, KVSender, SendRecord
+from kvtransfer.transport import TransferError
+from kvtransfer.wire import FRAME_BYTES, AbortFrame, DoneFrame, Frame, StepFrame, recv_frame
+from protocol.kv import Endpoint, KVLayout, Ticket
+
+NUM_LAYERS = 6  # two requests x 6 layers: more payloads than WINDOW
+LAYOUT = KVLayout(num_layers=NUM_LAYERS, kv_heads=2, head_dim=4, dtype="float32")
+TO_D0, TO_D1 = "p0->d0#0", "p0->d1#0"
+
+
+class FakePending:
+    def __init__(self, error: TransferError | None) -> None:
+        self.error = error
+
+    def wait(self, timeout: float | None) -> None:
+        if self.error is not None:
+            raise self.error
+
+
+class FakeChannel:
+    """Keeps a copy of each tensor posted and completes it at once. From its `break_at`-th send
+    on (counting from 0) it is broken: sends raise when posted (`on_post`) or when waited on."""
+
+    def __init__(self, break_at: int | None, on_post: bool) -> None:
+        self.posted: list[torch.Tensor] = []
+        self.break_at = break_at
+        self.on_post = on_post
+        self.broken = False
+        self.closed = False
+
+    def send_async(self, tensor: torch.Tensor) -> FakePending:
+        self.broken = self.broken or len(self.posted) == self.break_at
+        if self.broken and self.on_post:
+            raise TransferError("peer went away")
+        self.posted.append(tensor.clone())
+        return FakePending(TransferError("peer went away") if self.broken else None)
+
+    def send(self, tensor: torch.Tensor, timeout: float) -> None:
+        self.send_async(tensor).wait(timeout)
+
+    def recv(self, tensor: torch.Tensor, timeout: float | None) -> None:
+        raise NotImplementedError("sending side only")
+
+    def recv_async(self, tensor: torch.Tensor) -> FakePending:
+        raise NotImplementedError("sending side only")
+
+    def close(self) -> None:
+        self.closed = True
+
+
+class FakeTransport:
+    """Connects to FakeChannels; `break_at[key]` breaks that channel, `refuse` keys never open."""
+
+    name = "fake"
+
+    def __init__(
+        self,
+        break_at: dict[str, int] | None = None,
+        on_post: bool = False,
+        refuse: frozenset[str] = frozenset(),
+    ) -> None:
+        self.break_at = break_at or {}
+        self.on_post = on_post
+        self.refuse = refuse
+        self.channels: dict[str, FakeChannel] = {}
+        self.connects: list[str] = []
+
+    def connect(self, rendezvous: Endpoint, key: str, timeout: float) -> FakeChannel:
+        self.connects.append(key)
+        if key in self.refuse:
+            raise TransferError(f"nobody accepted {key}")
+        self.channels[key] = FakeChannel(self.break_at.get(key), self.on_post)
+        return self.channels[key]
+
+    def accept(self, rendezvous: object, key: str, timeout: float) -> FakeChannel:
+        raise NotImplementedError("sending side only")
+
+
+class Replay:
+    """One posted frame tensor, played back as a receive so wire's own reader decodes it."""
+
+    def __init__(self, raw: torch.Tensor) -> None:
+        self.raw = raw
+
+    def recv_async(self, tensor: torch.Tensor) -> FakePending:
+        tensor.copy_(self.raw)
+        return FakePending(None)
+
+
+class Finished(NamedTuple):
+    request_id: str
+    record: SendRecord
+    error: TransferError | None
+
+
+def ticket(request_id: str, num_tokens: int, channel_key: str = TO_D0) -> Ticket:
+    decode_id = channel_key.split("->")[1].split("#")[0]
+    rendezvous = Endpoint("127.0.0.1", 1)
+    return Ticket(request_id, decode_id, rendezvous, channel_key, 0, num_tokens, LAYOUT, 30.0)
+
+
+def payload(value: float, num_tokens: int) -> torch.Tensor:
+    # [2, num_tokens, kv_heads, head_dim]
+    return torch.full((2, num_tokens, LAYOUT.kv_heads, LAYOUT.head_dim), value)
+
+
+def nbytes(tensors: list[torch.Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def start_sender(transport: FakeTransport) -> tuple[KVSender, list[Finished]]:
+    finished: list[Finished] = []
+    sender = KVSender(transport, 1.0, lambda *report: finished.append(Finished(*report)))
+    return sender, finished
+
+
+def wire(channel: FakeChannel) -> list[Frame | torch.Tensor]:
+    """What the channel carried: frames decoded, payloads as posted."""
+    is_frame = [t.dtype == torch.uint8 and t.numel() == FRAME_BYTES for t in channel.posted]
+    return [
+        recv_frame(Replay(t), 1.0) if frame else t
+        for t, frame in zip(channel.posted, is_frame, strict=True)
+    ]
+
+
+def send_step(sender: KVSender, tickets: list[Ticket], value: float = 0.0) -> list[torch.Tensor]:
+    """Announces one step of whole prompts and sends every layer; returns the payloads sent."""
+    sender.send_step([(t, 0, t.num_tokens) for t in tickets], NUM_LAYERS)
+    sent = []
+    for layer in range(NUM_LAYERS):
+        for t in tickets:
+            sent.append(payload(value + len(sent), t.num_tokens))
+            sender.send_layer(t, layer, sent[-1])
+    return sent
+
+
+def test_posts_frames_and_payloads_in_submission_order() -> None:
+    a, b = ticket("A", 3), ticket("B", 2)
+    transport = FakeTransport()
+    sender, finished = start_sender(transport)
+    sender.open(a)
+    sender.open(b)
+    payloads = send_step(sender, [a, b])
+    sender.send_done(a, 11, None)
+    sender.send_done(b, 12, None)
+    sender.close()
+
+    assert len(payloads) > WINDOW
+    assert transport.connects == [TO_D0]  # one channel, opened once, for both tickets
+    stream = wire(transport.channels[TO_D0])
+    assert stream[0] == StepFrame([["A", 0, 3], ["B", 0, 2]], NUM_LAYERS)
+    assert len(stream) == 1 + len(payloads) + 2
+    for got, want in zip(stream[1:-2], payloads, strict=True):
+        assert torch.equal(got, want)
+    assert stream[-2:] == [DoneFrame("A", 11, None, None), DoneFrame("B", 12, None, None)]
+
+    assert [(f.request_id, f.error) for f in finished] == [("A", None), ("B", None)]
+    for report, sent in zip(finished, (payloads[0::2], payloads[1::2]), strict=True):
+        assert report.record.bytes_sent == nbytes(sent)
+        assert [layer for layer, _, _ in report.record.layer_sends] == list(range(NUM_LAYERS))
+        assert report.record.seconds >= 0 and report.record.finished is not None
+
+
+@pytest.mark.parametrize("on_post", [True, False], ids=["post-raises", "wait-raises"])
+def test_failed_send_reports_once_and_skips_the_request(on_post: bool) -> None:
+    a, b = ticket("A", 3, TO_D0), ticket("B", 2, TO_D1)
+    transport = FakeTransport(break_at={TO_D0: 2}, on_post=on_post)  # A's layer 1 payload
+    sender, finished = start_sender(transport)
+    for t in (a, b):
+        sender.open(t)
+    send_step(sender, [a])
+    b_payloads = send_step(sender, [b])
+    sender.send_done(a, 11, None)
+    sender.send_done(b, 12, None)
+    sender.close()
+
+    assert sorted(transport.connects) == [TO_D0, TO_D1]  # the broken channel is not reopened
+    assert transport.channels[TO_D0].closed
+    reports = {f.request_id: f for f in finished}
+    assert len(finished) == 2 and set(reports) == {"A", "B"}
+    assert isinstance(reports["A"].error, TransferError)
+    assert reports["B"].error is None
+    assert reports["B"].record.bytes_sent == nbytes(b_payloads)
+    if on_post:  # the failure is seen at once: nothing of A's follows it onto the wire
+        assert len(transport.channels[TO_D0].posted) == 2
+
+
+def test_broken_step_frame_fails_each_request_it_names_once() -> None:
+    a, b = ticket("A", 3), ticket("B", 2)
+    transport = FakeTransport(break_at={TO_D0: 0}, on_post=True)
+    sender, finished = start_sender(transport)
+    send_step(sender, [a, b])
+    sender.send_done(a, 11, None)
+    sender.send_done(b, 12, None)
+    sender.close()
+
+    assert sorted(f.request_id for f in finished) == ["A", "B"]
+    assert all(isinstance(f.error, TransferError) for f in finished)
+    assert transport.channels[TO_D0].posted == []
+
+
+def test_unreachable_decode_worker_fails_once() -> None:
+    a = ticket("A", 3)
+    transport = FakeTransport(refuse=frozenset({TO_D0}))
+    sender, finished = start_sender(transport)
+    sender.open(a)
+    send_step(sender, [a])
+    sender.send_done(a, 11, None)
+    sender.close()
+
+    assert transport.connects == [TO_D0]
+    assert [(f.request_id, type(f.error)) for f in finished] == [("A", TransferError)]
+    assert finished[0].record.bytes_sent == 0
+
+
+def test_abort_frame_reports_a_transfer_error() -> None:
+    a = ticket("A", 3)
+    transport = FakeTransport()
+    sender, finished = start_sender(transport)
+    sender.open(a)
+    sent = payload(1.0, 3)
+    sender.send_layer(a, 0, sent)
+    sender.send_abort(a, "client went away")
+    sender.close()
+
+    stream = wire(transport.channels[TO_D0])
+    assert torch.equal(stream[0], sent)
+    assert stream[1:] == [AbortFrame("A", "client went away")]
+    [report] = finished
+    assert report.request_id == "A"
+    assert isinstance(report.error, TransferError) and str(report.error) == "client went away"
+    assert report.record.bytes_sent == nbytes([sent])

@@ -1,0 +1,242 @@
+"""Fake prefill and decode actors, so the Coordinator runs without Ray, a model or torch.
+
+A FakeHandle stands for a Ray actor handle: `handle.method.remote(*args)` returns a coroutine
+(the coordinator awaits it under a deadline) and is recorded in `handle.calls`. Setting
+`handle.dead` makes every later call raise RayActorError, as a dead actor's calls do.
+
+Every request's output is OUTPUT[:max_tokens], whichever workers and attempts produce it: a
+worker resumes from the request's `output_ids`, so a retried request must still stream exactly
+those tokens. The decode worker starts a request's tokens once its KV "arrives" (the prefill
+worker's call, or at once for a local prefill), and its first batch repeats the prefill worker's
+token, as the real one does.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections import defaultdict
+from collections.abc import AsyncIterator, Callable, Coroutine
+from typing import Any
+
+from ray.exceptions import RayActorError
+
+from coordinator.coordinator import Coordinator, CoordinatorConfig
+from protocol.kv import Endpoint, KVLayout, Ticket
+from protocol.messages import PrefillResult, RequestFailed, TokenUpdate, WorkerUpdate, WorkRequest
+from protocol.sampling import FinishReason
+from protocol.stats import WorkerStats
+
+OUTPUT = [10, 11, 12, 13, 14, 15, 16, 17]  # every request's tokens, in order
+MAX_MODEL_LEN = 512
+VOCAB_SIZE = 64
+LAYOUT = KVLayout(num_layers=2, kv_heads=2, head_dim=16, dtype="float32")
+
+
+class FakeTokenizer:
+    """Token id n decodes to one letter, chr(ord("a") + n % 26): 10 -> "k", 11 -> "l", ..."""
+
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
+        return "".join(chr(ord("a") + t % 26) for t in token_ids)
+
+
+def text_of(token_ids: list[int]) -> str:
+    return FakeTokenizer().decode(token_ids)
+
+
+class FakeMethod:
+    def __init__(self, handle: FakeHandle, name: str, fn: Callable[..., Coroutine]) -> None:
+        self._handle, self._name, self._fn = handle, name, fn
+
+    def remote(self, *args: Any) -> Coroutine:
+        self._handle.calls[self._name].append(args)
+        if self._handle.dead:
+            return _raise(RayActorError(error_msg=f"{self._handle.actor.worker_id} died"))
+        return self._fn(*args)
+
+
+class FakeHandle:
+    def __init__(self, actor: FakePrefillActor | FakeDecodeActor) -> None:
+        self.actor = actor
+        self.dead = False
+        self.calls: dict[str, list[tuple]] = defaultdict(list)
+
+    def __getattr__(self, name: str) -> FakeMethod:
+        return FakeMethod(self, name, getattr(self.actor, name))
+
+    def ids(self, method: str) -> list[str]:
+        """The worker request ids this method was called about, in call order."""
+        return [_request_id(args[0]) for args in self.calls.get(method, [])]
+
+
+class FakeDecodeActor:
+    """Emits each active request's next `batch` tokens per poll. `failures` maps a worker
+    request id to the number of tokens after which that attempt is reported lost
+    (RequestFailed); `stall_after` stops every request's tokens after that many; `repeat`
+    sends every batch twice; `room` False makes every reservation fail (None)."""
+
+    def __init__(self, worker_id: str, eos_ids: frozenset[int] = frozenset()) -> None:
+        self.worker_id = worker_id
+        self.eos_ids = eos_ids
+        self.max_model_len = MAX_MODEL_LEN
+        self.batch = 2
+        self.repeat = False
+        self.room = True
+        self.free_blocks = 100
+        self.failures: dict[str, int] = {}
+        self.stall_after: int | None = None
+        self.reserved: dict[str, WorkRequest] = {}  # KV not arrived yet
+        self.active: dict[str, tuple[WorkRequest, int]] = {}  # request, next output index
+        self._wake = asyncio.Event()
+
+    async def ping(self) -> int:
+        return self.max_model_len
+
+    async def reserve(self, work: WorkRequest, prefill_id: str) -> Ticket | None:
+        if not self.room:
+            return None
+        self.reserved[work.request_id] = work
+        num_tokens = len(work.token_ids)
+        rendezvous = Endpoint("127.0.0.1", 1)
+        return Ticket(
+            work.request_id, self.worker_id, rendezvous, "key", 0, num_tokens, LAYOUT, 5.0
+        )
+
+    async def add_local(self, work: WorkRequest) -> None:
+        self.reserved[work.request_id] = work
+        self.kv_arrived(work.request_id)
+
+    def kv_arrived(self, request_id: str) -> None:
+        work = self.reserved.pop(request_id)
+        self.active[request_id] = (work, len(work.output_ids))
+        self._wake.set()
+
+    async def abort(self, request_id: str) -> bool:
+        found = self.active.pop(request_id, None) or self.reserved.pop(request_id, None)
+        return found is not None
+
+    async def updates(self, timeout: float) -> list[WorkerUpdate]:
+        updates = self._step()
+        if not updates:
+            self._wake.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), timeout)
+            updates = self._step()
+        return updates
+
+    async def stats(self) -> WorkerStats:
+        return WorkerStats(self.worker_id, "decode", num_free_blocks=self.free_blocks)
+
+    def _step(self) -> list[WorkerUpdate]:
+        updates: list[WorkerUpdate] = []
+        for request_id, (work, index) in list(self.active.items()):
+            update = self._next(work, index)
+            if update is None:
+                continue
+            updates.extend([update, update] if self.repeat else [update])
+            if isinstance(update, RequestFailed) or update.finish_reason is not None:
+                del self.active[request_id]
+            else:
+                self.active[request_id] = (work, update.num_output_tokens)
+        return updates
+
+    def _next(self, work: WorkRequest, index: int) -> WorkerUpdate | None:
+        done_here = index - len(work.output_ids)  # tokens this attempt produced so far
+        limits = [work.params.max_tokens, index + self.batch]
+        if work.request_id in self.failures:
+            limits.append(len(work.output_ids) + self.failures[work.request_id])
+            if done_here >= self.failures[work.request_id]:
+                return RequestFailed(work.request_id, "kv cache lost")
+        if self.stall_after is not None:
+            limits.append(len(work.output_ids) + self.stall_after)
+        tokens = OUTPUT[index : min(limits)]
+        if not tokens:
+            return None
+        stop_ids = work.params.stop_ids(self.eos_ids)
+        stop = next((t for t in tokens if t in stop_ids), None)
+        if stop is not None:
+            tokens = tokens[: tokens.index(stop) + 1]
+        end = index + len(tokens)
+        finish = FinishReason.STOP if stop is not None else None
+        if finish is None and end == work.params.max_tokens:
+            finish = FinishReason.LENGTH
+        logprobs = [None] * len(tokens)
+        return TokenUpdate(work.request_id, index, tokens, logprobs, finish, stop)
+
+
+class FakePrefillActor:
+    """Hands the decode worker named by the ticket its KV and returns the first token.
+    `failures` maps a worker request id to the error its prefill raises; a request id in
+    `hangs` never answers."""
+
+    def __init__(self, worker_id: str, decodes: dict[str, FakeDecodeActor]) -> None:
+        self.worker_id = worker_id
+        self.decodes = decodes
+        self.max_model_len = MAX_MODEL_LEN
+        self.failures: dict[str, Exception] = {}
+        self.hangs: set[str] = set()
+
+    async def ping(self) -> int:
+        return self.max_model_len
+
+    async def prefill(self, work: WorkRequest, ticket: Ticket) -> PrefillResult:
+        if work.request_id in self.failures:
+            raise self.failures[work.request_id]
+        if work.request_id in self.hangs:
+            await asyncio.Event().wait()
+        self.decodes[ticket.decode_id].kv_arrived(work.request_id)
+        token_id = OUTPUT[len(work.output_ids)]
+        return PrefillResult(work.request_id, token_id, None, 0, ticket.num_bytes)
+
+    async def abort(self, request_id: str) -> None:
+        return None
+
+    async def stats(self) -> WorkerStats:
+        return WorkerStats(self.worker_id, "prefill", num_free_blocks=100)
+
+
+class FakeCluster:
+    """A Coordinator over `num_prefill` fake prefill and `num_decode` fake decode workers."""
+
+    def __init__(
+        self,
+        config: CoordinatorConfig,
+        num_prefill: int = 2,
+        num_decode: int = 1,
+        eos_ids: frozenset[int] = frozenset(),
+    ) -> None:
+        decodes = {
+            f"decode-{i}": FakeDecodeActor(f"decode-{i}", eos_ids) for i in range(num_decode)
+        }
+        prefills = {
+            f"prefill-{i}": FakePrefillActor(f"prefill-{i}", decodes) for i in range(num_prefill)
+        }
+        self.decode = {w: FakeHandle(actor) for w, actor in decodes.items()}
+        self.prefill = {w: FakeHandle(actor) for w, actor in prefills.items()}
+        self.coordinator = Coordinator(
+            "fake", FakeTokenizer(), MAX_MODEL_LEN, VOCAB_SIZE, eos_ids,  # type: ignore[arg-type]
+            self.prefill, self.decode, config,
+        )  # fmt: skip
+
+    @contextlib.asynccontextmanager
+    async def running(self) -> AsyncIterator[Coordinator]:
+        """The coordinator, ready (workers pinged, polls started) and shut down after."""
+        await self.coordinator.ready()
+        try:
+            yield self.coordinator
+        finally:
+            await self.coordinator.shutdown()
+
+    def decoder(self, worker_id: str = "decode-0") -> FakeDecodeActor:
+        return self.decode[worker_id].actor  # type: ignore[return-value]
+
+    def prefiller(self, worker_id: str = "prefill-0") -> FakePrefillActor:
+        return self.prefill[worker_id].actor  # type: ignore[return-value]
+
+
+def _request_id(arg: object) -> str:
+    return arg.request_id if isinstance(arg, WorkRequest) else str(arg)
+
+
+async def _raise(err: Exception) -> Any:
+    raise err
