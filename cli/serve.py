@@ -63,7 +63,28 @@ def _add_http_flags(g: argparse._ArgumentGroup) -> None:
         "--max-queue",
         type=int,
         default=default_of(ServerSettings, "max_queue"),
-        help="requests admitted but without output yet; more get 503 with Retry-After",
+        help="sequences (prompts x n) admitted but without output yet; more get 503 with "
+        "Retry-After",
+    )
+    g.add_argument(
+        "--max-prompts",
+        type=int,
+        default=default_of(ServerSettings, "max_prompts"),
+        help="prompts one completions request may list; more get 400",
+    )
+    g.add_argument(
+        "--max-n",
+        type=int,
+        default=default_of(ServerSettings, "max_n"),
+        help="choices (n) one request may ask for; more get 400",
+    )
+    g.add_argument(
+        "--max-body-size",
+        type=parse_size,
+        default=default_of(ServerSettings, "max_body_bytes"),
+        metavar="BYTES",
+        help="request bodies over this get 413 "
+        f"(default: {format_size(default_of(ServerSettings, 'max_body_bytes'))})",
     )
     g.add_argument(
         "--shutdown-grace",
@@ -188,9 +209,16 @@ def run(args: argparse.Namespace) -> int:
     from coordinator.api.server import CANCEL_AFTER_DRAIN_S, DrainingServer
 
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
-    if args.max_queue < 1:
-        raise CliError("--max-queue must be at least 1")
-    settings = ServerSettings(api_key=args.api_key, max_queue=args.max_queue)
+    for flag in ("max_queue", "max_prompts", "max_n", "max_body_size"):
+        if getattr(args, flag) < 1:
+            raise CliError(f"--{flag.replace('_', '-')} must be at least 1")
+    settings = ServerSettings(
+        api_key=args.api_key,
+        max_queue=args.max_queue,
+        max_prompts=args.max_prompts,
+        max_n=args.max_n,
+        max_body_bytes=args.max_body_size,
+    )
     app = create_app(make_client(args), settings)
     config = uvicorn.Config(
         app,

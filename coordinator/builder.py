@@ -5,8 +5,9 @@ where workers go).
     colocated:     `num_prefill + num_decode` DecodeActors that prefill everything locally
                    (the same total resources, for comparisons)
 
-Placement: on CUDA one GPU per worker; on CPU one Ray CPU each, with torch threads set to the
-machine's cores divided among the workers. When the cluster advertises `prefill` / `decode`
+Placement: on CUDA one GPU per worker; on CPU one Ray CPU each (a share of one when the cluster
+has fewer CPUs than workers), with torch threads set to the machine's cores divided among the
+workers. When the cluster advertises `prefill` / `decode`
 resources (see cluster.yaml), each worker asks for one unit of its pool's resource.
 """
 
@@ -20,7 +21,7 @@ import ray
 
 from coordinator.coordinator import Coordinator, CoordinatorConfig
 from coordinator.deploy import DeployConfig
-from engine.config import EngineConfig, ModelConfig
+from engine.config import ConfigError, EngineConfig, ModelConfig
 from engine.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -50,7 +51,9 @@ def build_client(engine: EngineConfig, deploy: DeployConfig) -> Coordinator:
     """Starts (or joins) Ray, places the workers, returns the Coordinator (await its ready())."""
     connect_ray(deploy.address)
     model = ModelConfig.from_pretrained(engine.model)
-    prefill, decode = place_workers(engine, deploy)
+    spawner = WorkerSpawner(engine, deploy)
+    spawner.check_room()
+    prefill, decode = spawner.initial_pools()
     return Coordinator(
         model_name=deploy.model_name or model.path.name,
         tokenizer=Tokenizer(model.path),
@@ -63,51 +66,73 @@ def build_client(engine: EngineConfig, deploy: DeployConfig) -> Coordinator:
             block_size=engine.block_size,
             local_prefill_threshold=deploy.local_prefill_threshold,
         ),
+        spawn=spawner.spawn,
+        decode_pool="colocated" if deploy.mode == "colocated" else "decode",
     )
 
 
-def place_workers(engine: EngineConfig, deploy: DeployConfig) -> tuple[dict, dict]:
-    # The actor classes load torch and the model stack: imported here, where workers are
-    # placed, so the coordinator process itself never loads them.
-    from prefill.actor import PrefillActor
+class WorkerSpawner:
+    """Starts workers of a pool: the initial ones, and later replacements or additions (the
+    coordinator calls `spawn`). Every worker of a deployment asks for the same resources."""
 
-    total = deploy.num_prefill + deploy.num_decode
-    threads = deploy.threads_per_worker or max(1, (os.cpu_count() or 1) // total)
-    args = (engine, deploy.kv_transport, deploy.transfer_timeout, threads)
-    if deploy.mode == "colocated":
-        decode = {
-            f"colocated-{i}": _decode_actor(f"colocated-{i}", args, engine, None)
-            for i in range(total)
-        }
-        return {}, decode
-    prefill = {
-        f"prefill-{i}": ray.remote(PrefillActor)
-        .options(**_placement(engine, "prefill"))
-        .remote(f"prefill-{i}", *args)
-        for i in range(deploy.num_prefill)
-    }
-    decode = {
-        f"decode-{i}": _decode_actor(f"decode-{i}", args, engine, "decode")
-        for i in range(deploy.num_decode)
-    }
-    log.info("placed %d prefill and %d decode workers", len(prefill), len(decode))
-    return prefill, decode
+    def __init__(self, engine: EngineConfig, deploy: DeployConfig) -> None:
+        self.engine = engine
+        self.deploy = deploy
+        self.total = deploy.num_prefill + deploy.num_decode
+        cluster_cpus = ray.cluster_resources().get("CPU", 1.0)
+        # Workers share cores when there are fewer than workers (a laptop, a CI box); on a
+        # cluster each takes a whole Ray CPU.
+        self.num_cpus = min(1.0, cluster_cpus / self.total)
+        self.threads = deploy.threads_per_worker or max(1, (os.cpu_count() or 1) // self.total)
+        self._next_index: dict[str, int] = {}
 
+    def initial_pools(self) -> tuple[dict[str, Any], dict[str, Any]]:
+        if self.deploy.mode == "colocated":
+            return {}, dict(self.spawn("colocated") for _ in range(self.total))
+        prefill = dict(self.spawn("prefill") for _ in range(self.deploy.num_prefill))
+        decode = dict(self.spawn("decode") for _ in range(self.deploy.num_decode))
+        log.info("placed %d prefill and %d decode workers", len(prefill), len(decode))
+        return prefill, decode
 
-def _decode_actor(worker_id: str, args: tuple, engine: EngineConfig, pool: str | None) -> Any:
-    from decode.actor import DecodeActor
+    def spawn(self, pool: str) -> tuple[str, Any]:
+        """A new worker of `pool` ("prefill", "decode" or "colocated"): (id, actor handle).
+        The handle answers once the worker has loaded its model."""
+        # The actor classes load torch and the model stack: imported here, where workers are
+        # placed, so the coordinator process itself never loads them.
+        from decode.actor import DecodeActor
+        from prefill.actor import PrefillActor
 
-    return (
-        ray.remote(DecodeActor)
-        .options(**_placement(engine, pool))
-        .remote(worker_id, *args, None)  # host None: the node's own address
-    )
+        index = self._next_index.get(pool, 0)
+        self._next_index[pool] = index + 1
+        worker_id = f"{pool}-{index}"
+        args = (worker_id, self.engine, self.deploy.kv_transport, self.deploy.transfer_timeout)
+        options = self._options(None if pool == "colocated" else pool)
+        if pool == "prefill":
+            handle = ray.remote(PrefillActor).options(**options).remote(*args, self.threads)
+        else:  # host None: the node's own address
+            handle = ray.remote(DecodeActor).options(**options).remote(*args, self.threads, None)
+        return worker_id, handle
 
+    def check_room(self) -> None:
+        """Fails at once, naming what is missing, when the cluster cannot hold the pools (a
+        worker Ray cannot place would otherwise wait forever)."""
+        needs = {"CPU": self.num_cpus * self.total}
+        if self.engine.device.startswith("cuda"):
+            needs["GPU"] = float(self.total)
+        have = ray.cluster_resources()
+        missing = {k: v for k, v in needs.items() if have.get(k, 0.0) + 1e-9 < v}
+        if missing and self.deploy.address is None:  # a cluster we started cannot grow
+            wanted = ", ".join(f"{v:g} {k}" for k, v in missing.items())
+            owned = ", ".join(f"{have.get(k, 0):g} {k}" for k in missing)
+            raise ConfigError(
+                f"the pools need {wanted} but this machine has {owned}: lower "
+                "--prefill-workers / --decode-workers (or use --device cpu)"
+            )
 
-def _placement(engine: EngineConfig, pool: str | None) -> dict[str, Any]:
-    options: dict[str, Any] = {"max_restarts": 0, "num_cpus": 1}
-    if engine.device.startswith("cuda"):
-        options["num_gpus"] = 1
-    if pool is not None and ray.cluster_resources().get(pool, 0) > 0:
-        options["resources"] = {pool: 1}
-    return options
+    def _options(self, pool: str | None) -> dict[str, Any]:
+        options: dict[str, Any] = {"max_restarts": 0, "num_cpus": self.num_cpus}
+        if self.engine.device.startswith("cuda"):
+            options["num_gpus"] = 1
+        if pool is not None and ray.cluster_resources().get(pool, 0) > 0:
+            options["resources"] = {pool: 1}
+        return options

@@ -1,12 +1,15 @@
 """Coordinator: the disaggregated backend behind the HTTP app (an EngineClient).
 
 For each request:
-    route -> decode worker D (+ prefill worker P, unless D prefills it locally)
+    route -> decode worker D (+ prefill worker P, unless D prefills it locally); the route
+        counts against both workers' loads at once, so a burst spreads over the pools
     D.reserve(request, P) -> ticket;  P.prefill(request, ticket) -> first token (streamed at once)
+        from then on the request depends on D alone
     D's token batches arrive through one long-poll loop per decode worker, for all its requests
-Failures: a dead P, a failed or expired transfer, or a dead D end the attempt; the request is
-placed again with the tokens generated so far (a decode worker resumes it as if preempted), up
-to MAX_ATTEMPTS. Every remote call has a deadline.
+Failures: a dead or hung P, a failed or expired transfer, or a dead or hung D end the attempt;
+the request is placed again, on other workers when there are any, with the tokens generated so
+far (a decode worker resumes it as if preempted), up to MAX_ATTEMPTS. Every remote call has a
+deadline. Pool membership (health probes, replacements, drains, sizes) is the Supervisor's.
 """
 
 from __future__ import annotations
@@ -16,37 +19,44 @@ import contextlib
 import itertools
 import logging
 import time
-from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from collections.abc import AsyncIterator, Coroutine
+from dataclasses import dataclass, replace
 from typing import Any
 
-import ray
 from ray.exceptions import RayActorError
 
 from coordinator.request_state import TrackedRequest
 from coordinator.router import NoWorkerError, Route, Router
+from coordinator.supervisor import Spawn, Supervisor, SupervisorConfig, WorkerEntry
 from engine.outputs import RequestOutput, read_stream
 from engine.tokenizer import Tokenizer
-from protocol.errors import EngineDeadError, RequestFailedError
+from protocol.errors import EngineDeadError, PoolError, RequestFailedError
 from protocol.limits import ModelLimits
 from protocol.messages import PrefillResult, RequestFailed, WorkerUpdate, WorkRequest
 from protocol.sampling import SamplingParams
-from protocol.stats import WorkerStats
+from protocol.stats import PoolWorker, WorkerStats
 
 log = logging.getLogger(__name__)
 MAX_ATTEMPTS = 4
 POLL_SECONDS = 1.0
 MAX_POLL_FAILURES = 3
 STATS_SECONDS = 1.0
+STATS_TIMEOUT = 1.0  # per worker: a slow one keeps its last report (marked stale)
+START_TIMEOUT = 600.0  # model loading on a cold node
 
 
 @dataclass(frozen=True)
 class CoordinatorConfig:
     block_size: int
     local_prefill_threshold: int = 0  # tokens; 0 = always prefill remotely
-    call_timeout: float = 30.0  # any control call (reserve, abort, stats, one poll)
-    prefill_timeout: float = 300.0  # queueing + prefill + transfer of one request
+    call_timeout: float = 30.0  # any control call (reserve, abort, stats), on top of a poll
+    prefill_base_timeout: float = 30.0  # queueing + prefill + transfer of one request ...
+    prefill_seconds_per_token: float = 0.02  # ... plus this per prompt token
     capacity_wait: float = 60.0  # how long a request may wait for decode KV blocks
+    supervision: SupervisorConfig = SupervisorConfig()
+
+    def prefill_timeout(self, num_tokens: int) -> float:
+        return self.prefill_base_timeout + self.prefill_seconds_per_token * num_tokens
 
 
 class Coordinator:
@@ -60,6 +70,8 @@ class Coordinator:
         prefill: dict[str, Any],  # worker id -> PrefillActor handle
         decode: dict[str, Any],  # worker id -> DecodeActor handle
         config: CoordinatorConfig,
+        spawn: Spawn | None = None,  # starts a worker of a pool: replacements, growth
+        decode_pool: str = "decode",  # "colocated" when the decode workers prefill everything
     ) -> None:
         self.model_name = model_name
         self.tokenizer = tokenizer
@@ -67,39 +79,63 @@ class Coordinator:
         self.vocab_size = vocab_size
         self.limits = ModelLimits(max_model_len, vocab_size)
         self.eos_ids = eos_ids
-        self.prefill = prefill
-        self.decode = decode
+        self.prefill = dict(prefill)
+        self.decode = dict(decode)
         self.config = config
         self.router = Router(
             list(prefill), list(decode), config.block_size, config.local_prefill_threshold
         )
+        self.supervisor = Supervisor(
+            spawn, config.supervision, self._worker_joined, self._worker_left, self._in_use
+        )
+        for worker_id, handle in prefill.items():
+            self.supervisor.add("prefill", worker_id, handle)
+        for worker_id, handle in decode.items():
+            self.supervisor.add(decode_pool, worker_id, handle)
         self._requests: dict[str, TrackedRequest] = {}  # by worker request id
         self._stats: dict[str, WorkerStats] = {}
-        self._tasks: list[asyncio.Task] = []
+        self._tasks: set[asyncio.Task] = set()
         self._ids = itertools.count()
+        self._started: asyncio.Future | None = None
+        self._closing = False
 
     # -- EngineClient ----------------------------------------------------------------------
 
     async def ready(self) -> None:
+        """Waits for every worker's model, then starts the background loops, once: later calls
+        only wait for that."""
+        if self._started is None:
+            self._started = asyncio.ensure_future(self._start())
+        await asyncio.shield(self._started)
+
+    async def _start(self) -> None:
         workers = {**self.prefill, **self.decode}
-        limits = await asyncio.gather(  # model loading can take minutes on a cold node
-            *(self._call(w.ping, timeout=600.0) for w in workers.values())
+        limits = await asyncio.gather(
+            *(self._call(w.ping, timeout=START_TIMEOUT) for w in workers.values())
         )
         self.max_model_len = min([self.max_model_len, *limits])
         self.limits = ModelLimits(self.max_model_len, self.vocab_size)
-        self._tasks = [asyncio.create_task(self._poll(w)) for w in self.decode]
-        self._tasks.append(asyncio.create_task(self._refresh_stats()))
+        for decode_id in self.decode:
+            self._background(self._poll(decode_id))
+        self._background(self._refresh_stats())
+        self.supervisor.start()
         await self._refresh_once()
 
+    def readiness(self) -> str | None:
+        if self._started is None or not self._started.done():
+            return "the workers are still starting"
+        if self._closing:
+            return "the server is shutting down"
+        return self.supervisor.problem()
+
     async def shutdown(self) -> None:
-        """Fails what is still in flight and stops every worker actor."""
-        for task in self._tasks:
+        """Fails what is still in flight (no retries) and stops every worker actor."""
+        self._closing = True
+        for task in list(self._tasks):
             task.cancel()
         for request in list(self._requests.values()):
             request.fail(EngineDeadError("the server is shutting down"))
-        for worker in (*self.prefill.values(), *self.decode.values()):
-            with contextlib.suppress(Exception):
-                ray.kill(worker)
+        await self.supervisor.stop()
 
     def check_request(self, prompt_ids: list[int], params: SamplingParams | None = None) -> None:
         self.limits.check_prompt(prompt_ids)
@@ -108,6 +144,30 @@ class Coordinator:
 
     def stats(self) -> list[WorkerStats]:
         return list(self._stats.values())
+
+    # -- pools (the admin API) -------------------------------------------------------------
+
+    def pools(self) -> list[PoolWorker]:
+        return self.supervisor.describe()
+
+    def scale(self, sizes: dict[str, int]) -> None:
+        """Sets pool sizes ({"prefill": N, "decode": M}); PoolError for a change it cannot make."""
+        known = set(self.supervisor.pools)
+        for pool, size in sizes.items():
+            if pool not in known:
+                raise PoolError(f"no pool {pool!r}; this server has {', '.join(sorted(known))}")
+            if size < (0 if pool == "prefill" else 1):
+                raise PoolError(f"the {pool} pool needs at least {int(pool != 'prefill')} worker")
+        if self.supervisor.spawn is None and any(
+            size > self.supervisor.pools[pool].target for pool, size in sizes.items()
+        ):
+            raise PoolError("this server cannot start workers (no spawner)")
+        for pool, size in sizes.items():
+            self.supervisor.scale(pool, size)
+
+    def drain(self, worker_id: str) -> None:
+        """KeyError for an unknown worker."""
+        self.supervisor.drain(worker_id)
 
     async def generate(
         self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None
@@ -137,7 +197,7 @@ class Coordinator:
                     await self._attempt(request, work)
                 finally:
                     await self._end_attempt(request, work)
-                if request.finished:
+                if request.finished or request.failed or self._closing:
                     return
                 log.warning("request %s lost (%s); retrying", work.request_id, request.lost_reason)
             request.fail(
@@ -153,53 +213,82 @@ class Coordinator:
 
     async def _attempt(self, request: TrackedRequest, work: WorkRequest) -> None:
         try:
-            route, ticket = await self._place(request, work)
+            ticket = await self._place(request, work)
         except TimeoutError:
             request.lose("a decode worker did not answer in time")
             return
-        request.route = route
+        route = request.route
         if ticket is not None:
+            prefill_id = route.prefill_id
             try:
-                result: PrefillResult = await self._call(
-                    self.prefill[route.prefill_id].prefill, work, ticket,
-                    timeout=self.config.prefill_timeout,
+                result: PrefillResult | None = await self._unless_lost(
+                    request,
+                    self._call(
+                        self.prefill[prefill_id].prefill, work, ticket,
+                        timeout=self.config.prefill_timeout(len(work.token_ids)),
+                    ),
                 )  # fmt: skip
+                if result is None:  # its decode or prefill worker left meanwhile
+                    return
             except RequestFailedError as err:  # this request broke the worker's step: no retry
                 request.fail(RequestFailedError(_brief(err)))
                 return
             except Exception as err:
-                self._note_failure(route.prefill_id, err)
-                request.lose(f"prefill on {route.prefill_id} failed: {_brief(err)}")
+                self._note_failure(prefill_id, err)
+                request.avoid.add(prefill_id)
+                request.lose(f"prefill on {prefill_id} failed: {_brief(err)}")
                 return
             finally:
                 self.router.prefilled(route, len(work.token_ids))
+            # The KV is with the decode worker: the request no longer needs its prefill worker.
+            request.route = Route(route.decode_id, None)
             if result.token_id not in request.params.stop_ids(self.eos_ids):
                 request.accept_first(len(work.output_ids), result.token_id, result.logprobs)
         await request.ended.wait()
 
-    async def _place(self, request: TrackedRequest, work: WorkRequest) -> tuple[Route, Any | None]:
-        """Chooses workers and gets a ticket (None: prefilled on the decode worker). A dead
-        decode worker is skipped; a decode worker that does not answer in time fails the
-        attempt (TimeoutError)."""
+    @staticmethod
+    async def _unless_lost(request: TrackedRequest, call: Coroutine) -> Any | None:
+        """The call's result, or None (the call cancelled) if the attempt is lost first: a
+        worker that left never holds the request up until its deadline."""
+        work = asyncio.ensure_future(call)
+        lost = asyncio.ensure_future(request.ended.wait())
+        try:
+            await asyncio.wait({work, lost}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            lost.cancel()
+            if not work.done():
+                work.cancel()
+        return work.result() if work.done() and not work.cancelled() else None
+
+    async def _place(self, request: TrackedRequest, work: WorkRequest) -> Any | None:
+        """Chooses workers (request.route, counted against their loads at once) and gets a
+        ticket (None: prefilled on the decode worker). A dead decode worker is skipped; one
+        that does not answer in time fails the attempt (TimeoutError)."""
         deadline = time.monotonic() + self.config.capacity_wait
         while True:
-            route = self.router.route(work.token_ids)
+            route = self.router.route(work.token_ids, frozenset(request.avoid))
+            self.router.placed(route, work.token_ids)
+            request.route = route  # from here on, ending the attempt frees what D reserved
             decode = self.decode[route.decode_id]
             try:
                 if route.prefill_id is None:
                     await self._call(decode.add_local, work)
-                    ticket = None
-                else:
-                    ticket = await self._call(decode.reserve, work, route.prefill_id)
+                    return None
+                ticket = await self._call(decode.reserve, work, route.prefill_id)
             except RayActorError as err:
+                self._unplace(request, work)
                 self._note_failure(route.decode_id, err)
                 continue
-            if route.prefill_id is None or ticket is not None:
-                self.router.placed(route, work.token_ids)
-                return route, ticket
+            if ticket is not None:
+                return ticket
+            self._unplace(request, work)
             if time.monotonic() > deadline:  # every decode worker stayed full
                 raise EngineDeadError("no decode worker had room for the request in time")
             await asyncio.sleep(0.05)
+
+    def _unplace(self, request: TrackedRequest, work: WorkRequest) -> None:
+        self.router.unplace(request.route, work.token_ids)
+        request.route = None
 
     async def _end_attempt(self, request: TrackedRequest, work: WorkRequest) -> None:
         self._requests.pop(work.request_id, None)
@@ -221,7 +310,9 @@ class Coordinator:
         failures = 0  # in a row; a worker that keeps failing its polls is as good as dead
         while self.router.is_alive(decode_id):
             try:
-                updates = await self._call(worker.updates, POLL_SECONDS)
+                updates = await self._call(
+                    worker.updates, POLL_SECONDS, timeout=POLL_SECONDS + self.config.call_timeout
+                )
             except asyncio.CancelledError:
                 raise
             except Exception as err:
@@ -245,21 +336,43 @@ class Coordinator:
             return
         if request.accept(update):  # a stop string ended it: stop the worker too
             worker = self.decode[decode_id]
-            asyncio.create_task(self._call(worker.abort, update.request_id, timeout=5.0))
+            self._background(self._call(worker.abort, update.request_id, timeout=5.0))
+
+    # -- pool membership (Supervisor callbacks) --------------------------------------------
 
     def _note_failure(self, worker_id: str, err: Exception, fatal: bool = False) -> None:
-        """A dead actor (or, with `fatal`, a failing one) leaves its pool for good; its
-        requests are placed again."""
-        dead = fatal or isinstance(err, RayActorError)
-        if not dead or not self.router.is_alive(worker_id):
+        """A dead actor (or, with `fatal`, a failing one) leaves its pool for good."""
+        if fatal or isinstance(err, RayActorError):
+            self.supervisor.report_dead(worker_id, _brief(err))
+
+    def _worker_left(self, entry: WorkerEntry, reason: str) -> None:
+        """The worker gets no new requests. A draining one keeps what it has; otherwise the
+        requests that still rely on it are placed again."""
+        if reason == "draining":
+            self.router.set_accepting(entry.worker_id, False)
             return
-        log.error("worker %s is out of service: %s", worker_id, _brief(err))
-        self.router.mark_dead(worker_id)
-        self._stats.pop(worker_id, None)
+        self.router.mark_dead(entry.worker_id)
+        self._stats.pop(entry.worker_id, None)
         for request in list(self._requests.values()):
             route = request.route
-            if route is not None and worker_id in (route.decode_id, route.prefill_id):
-                request.lose(f"worker {worker_id} died")
+            if route is not None and entry.worker_id in (route.decode_id, route.prefill_id):
+                request.avoid.add(entry.worker_id)
+                request.lose(f"worker {entry.worker_id} left: {reason}")
+
+    def _worker_joined(self, entry: WorkerEntry, max_model_len: int) -> None:
+        pool = "prefill" if entry.pool == "prefill" else "decode"
+        (self.prefill if pool == "prefill" else self.decode)[entry.worker_id] = entry.handle
+        self.router.add_worker(pool, entry.worker_id)
+        if pool == "decode":
+            self._background(self._poll(entry.worker_id))
+
+    def _in_use(self, worker_id: str) -> int:
+        return sum(
+            1
+            for request in self._requests.values()
+            if request.route is not None
+            and worker_id in (request.route.decode_id, request.route.prefill_id)
+        )
 
     # -- stats -----------------------------------------------------------------------------
 
@@ -269,17 +382,27 @@ class Coordinator:
             await self._refresh_once()
 
     async def _refresh_once(self) -> None:
+        """Each worker answers under its own deadline: a slow one keeps its last report,
+        marked stale, and never holds up the others."""
         workers = {**self.prefill, **self.decode}
         alive = [w for w in workers if self.router.is_alive(w)]
         results = await asyncio.gather(
-            *(self._call(workers[w].stats) for w in alive), return_exceptions=True
+            *(self._call(workers[w].stats, timeout=STATS_TIMEOUT) for w in alive),
+            return_exceptions=True,
         )
         for worker_id, result in zip(alive, results, strict=True):
             if isinstance(result, WorkerStats):
                 self._stats[worker_id] = result
                 self.router.observe(worker_id, result.num_free_blocks)
-            elif isinstance(result, Exception):
+            elif worker_id in self._stats:
+                self._stats[worker_id] = replace(self._stats[worker_id], stale=True)
+            if isinstance(result, RayActorError):
                 self._note_failure(worker_id, result)
+
+    def _background(self, coro: Coroutine) -> None:
+        task = asyncio.ensure_future(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
 
     async def _call(self, method, *args: Any, timeout: float | None = None) -> Any:
         return await asyncio.wait_for(

@@ -31,6 +31,8 @@ class TrackedRequest:
         self.route: Route | None = None
         self.ended = asyncio.Event()  # finished, or lost by its current worker
         self.lost_reason: str | None = None
+        self.failed = False  # ended in an error the client has been given
+        self.avoid: set[str] = set()  # workers that failed it: chosen again only as a last resort
         self.num_cached_tokens = 0
         self.queue_seconds: float | None = None
 
@@ -102,5 +104,6 @@ class TrackedRequest:
         return stop_string_hit
 
     def fail(self, err: Exception) -> None:
+        self.failed = True
         self.stream.put_nowait(StreamFailed(err))
         self.ended.set()

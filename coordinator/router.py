@@ -25,6 +25,7 @@ class WorkerLoad:
     queued_tokens: int = 0  # prompt tokens placed there and not yet prefilled
     free_blocks: int = 0  # from the worker's last stats report
     alive: bool = True
+    accepting: bool = True  # False while draining: alive, finishing its work, gets none new
     prefixes: OrderedDict[int, None] = field(default_factory=OrderedDict)
 
     def overlap(self, hashes: list[int]) -> int:
@@ -72,14 +73,17 @@ class Router:
         self.block_size = block_size
         self.local_threshold = local_threshold
 
-    def route(self, token_ids: list[int]) -> Route:
+    def route(self, token_ids: list[int], avoid: frozenset[str] = frozenset()) -> Route:
+        """Picks workers (it records nothing: call `placed` as soon as the route is used).
+        Workers in `avoid` (those that just failed this request) are chosen only when no
+        other worker of their pool can take it."""
         hashes = prefix_hashes(token_ids, self.block_size)
         decode = min(
-            _alive(self.decode, "decode"),
+            _preferred(_open(self.decode, "decode"), avoid),
             key=lambda w: (w.running, -w.free_blocks, -w.overlap(hashes)),
         )
         uncached = len(token_ids) - decode.overlap(hashes) * self.block_size
-        prefills = [w for w in self.prefill.values() if w.alive]
+        prefills = _preferred([w for w in self.prefill.values() if w.alive and w.accepting], avoid)
         if not prefills or uncached < self.local_threshold:
             return Route(decode.worker_id, None)
         prefill = min(
@@ -94,6 +98,11 @@ class Router:
         if route.prefill_id is not None:
             self.prefill[route.prefill_id].queued_tokens += len(token_ids)
             self.prefill[route.prefill_id].remember(hashes)
+
+    def unplace(self, route: Route, token_ids: list[int]) -> None:
+        """Undoes `placed` for a route that was not taken after all (no room, no answer)."""
+        self.prefilled(route, len(token_ids))
+        self.finished(route)
 
     def prefilled(self, route: Route, num_tokens: int) -> None:
         if route.prefill_id is not None:
@@ -119,9 +128,26 @@ class Router:
             if worker_id in pool:
                 pool[worker_id].alive = False
 
+    def set_accepting(self, worker_id: str, accepting: bool) -> None:
+        """A draining worker stays alive (its requests finish) but gets no new ones."""
+        for pool in (self.prefill, self.decode):
+            if worker_id in pool:
+                pool[worker_id].accepting = accepting
 
-def _alive(pool: dict[str, WorkerLoad], name: str) -> list[WorkerLoad]:
-    alive = [w for w in pool.values() if w.alive]
-    if not alive:
+    def add_worker(self, pool: str, worker_id: str) -> None:
+        """A worker that joined a pool at run time ("prefill", or "decode" for the rest)."""
+        loads = self.prefill if pool == "prefill" else self.decode
+        loads[worker_id] = WorkerLoad(worker_id)
+
+
+def _open(pool: dict[str, WorkerLoad], name: str) -> list[WorkerLoad]:
+    """The pool's workers that take new requests."""
+    open_ = [w for w in pool.values() if w.alive and w.accepting]
+    if not open_:
         raise NoWorkerError(f"no live {name} worker")
-    return alive
+    return open_
+
+
+def _preferred(workers: list[WorkerLoad], avoid: frozenset[str]) -> list[WorkerLoad]:
+    others = [w for w in workers if w.worker_id not in avoid]
+    return others or workers

@@ -12,7 +12,7 @@ from engine.config import EngineConfig
 from kvtransfer.transport import make_transport
 from protocol.kv import Ticket
 from protocol.messages import WorkerUpdate, WorkRequest
-from protocol.stats import WorkerStats
+from protocol.stats import EngineHealth, WorkerStats
 
 
 class DecodeActor:
@@ -33,6 +33,10 @@ class DecodeActor:
     async def node_id(self) -> str:
         """The Ray node this worker landed on."""
         return ray.get_runtime_context().get_node_id()
+
+    async def health(self) -> EngineHealth:
+        """Answers at once from any state: whether the engine thread lives and steps."""
+        return self.worker.thread.health()
 
     async def ping(self) -> int:
         """Answers once the model is loaded: the context length this worker serves."""

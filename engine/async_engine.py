@@ -26,6 +26,7 @@ from engine.tokenizer import Tokenizer
 from protocol.errors import EngineDeadError, RequestError, RequestFailedError
 from protocol.messages import RequestFailed, WorkerUpdate
 from protocol.sampling import SamplingError, SamplingParams
+from protocol.stats import EngineHealth
 
 log = logging.getLogger(__name__)
 
@@ -74,6 +75,10 @@ class AsyncEngine:
         finally:
             if self._streams.pop(request_id, None) is not None and not state.finished:
                 thread.submit(self.engine.abort, request_id)
+
+    def health(self) -> EngineHealth | None:
+        """The engine thread's health; None before start()."""
+        return None if self._thread is None else self._thread.health()
 
     def abort(self, request_id: str) -> None:
         if self._thread is not None:

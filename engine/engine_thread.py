@@ -6,11 +6,14 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
 
 import torch
+
+from protocol.stats import EngineHealth
 
 log = logging.getLogger(__name__)
 IDLE_WAIT_SECONDS = 0.05
@@ -36,6 +39,7 @@ class EngineThread:
         self._calls: queue.SimpleQueue[tuple[Future, Callable, tuple]] = queue.SimpleQueue()
         self._stop = threading.Event()
         self.error: BaseException | None = None
+        self._last_turn = time.monotonic()  # written by the engine thread only
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
@@ -48,6 +52,15 @@ class EngineThread:
             self._calls.put((future, fn, args))
         return future
 
+    def health(self) -> EngineHealth:
+        """Any thread may call it: it reads two fields and never waits on the engine."""
+        return EngineHealth(
+            alive=self._thread.is_alive() and self.error is None,
+            busy=self._has_work() or not self._calls.empty(),
+            seconds_since_progress=time.monotonic() - self._last_turn,
+            error=None if self.error is None else f"{type(self.error).__name__}: {self.error}",
+        )
+
     def stop(self, timeout: float = 10.0) -> None:
         self._stop.set()
         self._thread.join(timeout)
@@ -56,6 +69,7 @@ class EngineThread:
         torch.set_num_threads(self._num_threads)
         try:
             while not self._stop.is_set():
+                self._last_turn = time.monotonic()
                 self._run_calls(block=not self._has_work())
                 if self._housekeeping is not None:
                     self._housekeeping()

@@ -17,10 +17,12 @@ from engine.config import EngineConfig
 from engine.engine import LLMEngine
 from engine.outputs import RequestOutput
 from engine.tokenizer import Tokenizer
+from protocol.errors import PoolError
 from protocol.sampling import SamplingParams
-from protocol.stats import WorkerStats
+from protocol.stats import PoolWorker, WorkerStats
 
 WORKER_NAME = "colocated-0"
+STUCK_AFTER_S = 60.0  # an engine with work that has not stepped for this long is stuck
 
 
 class LocalEngineClient:
@@ -52,6 +54,25 @@ class LocalEngineClient:
         # Read from the event loop while the engine thread steps: the counts may be a step
         # stale (each is one read under the GIL), which is fine for metrics.
         return [WorkerStats.of(WORKER_NAME, "colocated", self.engine.snapshot())]
+
+    def pools(self) -> list[PoolWorker]:
+        if not self._started:
+            state = "starting"
+        else:
+            state = "serving" if self.readiness() is None else "dead"
+        return [PoolWorker(WORKER_NAME, "colocated", state, 0)]
+
+    def scale(self, sizes: dict[str, int]) -> None:
+        raise PoolError("this server runs one engine in its own process: its pool is fixed")
+
+    def drain(self, worker_id: str) -> None:
+        self.scale({})
+
+    def readiness(self) -> str | None:
+        if not self._started:
+            return "the engine has not started"
+        health = self._async.health()
+        return None if health is None else health.problem(stuck_after=STUCK_AFTER_S)
 
     async def ready(self) -> None:
         if not self._started:

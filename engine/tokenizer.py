@@ -17,6 +17,17 @@ class TokenizerError(ValueError):
     """Input the tokenizer cannot handle (for example, chat messages with no chat template)."""
 
 
+def check_unicode(text: str) -> None:
+    """Raises TokenizerError for text that cannot be UTF-8 (a lone surrogate, as JSON's
+    "\\ud800" escapes allow): tokenizers take only valid Unicode."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as err:
+        raise TokenizerError(
+            f"the text is not valid Unicode: a lone surrogate at character {err.start}"
+        ) from None
+
+
 class Tokenizer:
     def __init__(self, path: str | Path) -> None:
         from transformers import AutoTokenizer
@@ -28,6 +39,7 @@ class Tokenizer:
         return bool(self.hf.chat_template)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        check_unicode(text)
         return self.hf.encode(text, add_special_tokens=add_special_tokens)
 
     def render_chat(
@@ -35,6 +47,11 @@ class Tokenizer:
     ) -> str:
         if not self.has_chat_template:
             raise TokenizerError("this model has no chat template")
+        for message in messages:
+            content = message.get("content")
+            for part in content if isinstance(content, list) else [content]:
+                if isinstance(part, str):
+                    check_unicode(part)
         try:
             return self.hf.apply_chat_template(
                 messages, tokenize=False, add_generation_prompt=add_generation_prompt

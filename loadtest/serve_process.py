@@ -11,7 +11,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from types import TracebackType
 
@@ -32,21 +32,33 @@ def free_port() -> int:
 
 
 class ServeProcess:
-    """`tandem serve ARGS --host 127.0.0.1 --port PORT`, its output in `log_path`.
+    """`tandem serve ARGS --host 127.0.0.1 --port PORT`, all its output (stdout, and stderr where
+    it logs) in `log_path`; `env` is added to this process's environment.
 
-    Use it as a context manager: leaving the block kills the whole process group if the server
-    is still running, whatever happened inside."""
+    The one way tests and benchmarks start a server process. Use it as a context manager:
+    leaving the block kills the whole process group if anything is still running, whatever
+    happened inside."""
 
-    def __init__(self, args: Sequence[str], log_path: Path, port: int | None = None) -> None:
+    def __init__(
+        self,
+        args: Sequence[str],
+        log_path: Path,
+        port: int | None = None,
+        env: Mapping[str, str] | None = None,
+    ) -> None:
         self.port = port or free_port()
         self.url = f"http://{HOST}:{self.port}"
         self.log_path = log_path
         command = [sys.executable, "-m", "cli.main", "serve", *args]
         command += ["--host", HOST, "--port", str(self.port)]
-        env = {**os.environ, "RAY_AUTH_MODE": "disabled"}
+        environment = {**os.environ, "RAY_AUTH_MODE": "disabled", **(env or {})}
         with open(log_path, "wb") as log:
             self.process = subprocess.Popen(
-                command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
+                command,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=environment,
+                start_new_session=True,
             )
 
     def wait_healthy(self, timeout_s: float) -> None:
@@ -60,15 +72,24 @@ class ServeProcess:
                 raise ServeError(f"tandem serve not healthy after {timeout_s:g} s: {self.log}")
             time.sleep(POLL_S)
 
-    def stop(self, timeout_s: float) -> int | None:
-        """SIGINT (drain, then a clean exit); the exit status, or None if still running after
-        `timeout_s` (the context manager's exit then kills it)."""
+    def send_signal(self, sig: signal.Signals) -> None:
+        """`sig` to the server alone (it stops the Ray processes it started itself); nothing
+        once it has exited."""
         if self.process.poll() is None:
-            self.process.send_signal(signal.SIGINT)
+            self.process.send_signal(sig)
+
+    def wait(self, timeout_s: float) -> int | None:
+        """The exit status, or None if the server still runs after `timeout_s`."""
         try:
             return self.process.wait(timeout_s)
         except subprocess.TimeoutExpired:
             return None
+
+    def stop(self, timeout_s: float, sig: signal.Signals = signal.SIGINT) -> int | None:
+        """`sig` (SIGINT or SIGTERM: drain, then a clean exit), then wait(timeout_s); the
+        context manager's exit kills a server that is still running."""
+        self.send_signal(sig)
+        return self.wait(timeout_s)
 
     def kill(self) -> None:
         """SIGKILL to the whole group: the server and the Ray processes it started."""
@@ -77,9 +98,14 @@ class ServeProcess:
         self.process.wait()
 
     @property
+    def output(self) -> str:
+        """Everything the server has written so far."""
+        return self.log_path.read_text(encoding="utf-8", errors="replace")
+
+    @property
     def log(self) -> str:
-        """The server's output so far (its last 4000 characters)."""
-        return self.log_path.read_text(encoding="utf-8", errors="replace")[-4000:]
+        """The end of output (its last 4000 characters), for error messages."""
+        return self.output[-4000:]
 
     def _healthy(self) -> bool:
         try:

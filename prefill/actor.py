@@ -12,7 +12,7 @@ from kvtransfer.transport import make_transport
 from prefill.worker import PrefillReport, PrefillWorker
 from protocol.kv import Ticket
 from protocol.messages import PrefillResult, WorkRequest
-from protocol.stats import WorkerStats
+from protocol.stats import EngineHealth, WorkerStats
 
 
 class PrefillActor:
@@ -31,6 +31,10 @@ class PrefillActor:
     async def node_id(self) -> str:
         """The Ray node this worker landed on."""
         return ray.get_runtime_context().get_node_id()
+
+    async def health(self) -> EngineHealth:
+        """Answers at once from any state: whether the engine thread lives and steps."""
+        return self.worker.thread.health()
 
     async def ping(self) -> int:
         """Answers once the model is loaded: the context length this worker serves."""

@@ -12,5 +12,9 @@ class RequestFailedError(RuntimeError):
     and every other request goes on."""
 
 
+class PoolError(ValueError):
+    """A pool change this backend cannot make (its pools are fixed, or the size is invalid)."""
+
+
 class EngineDeadError(RuntimeError):
     """No worker can make progress on the request (its engine stopped, or every retry failed)."""

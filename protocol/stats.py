@@ -40,6 +40,32 @@ class Histogram:
         return tuple(out)
 
 
+class EngineHealth(NamedTuple):
+    """What a supervisor needs to tell a working engine from a dead or stuck one."""
+
+    alive: bool  # the engine thread runs (False after a crash or stop)
+    busy: bool  # it has work queued or running
+    seconds_since_progress: float  # since its loop last turned (a step, or an idle wait)
+    error: str | None  # why it crashed
+
+    def problem(self, stuck_after: float) -> str | None:
+        """Why this engine cannot serve, or None when it can."""
+        if not self.alive:
+            return f"its engine thread stopped ({self.error or 'no error'})"
+        if self.busy and self.seconds_since_progress > stuck_after:
+            return f"its engine made no progress for {self.seconds_since_progress:.1f}s"
+        return None
+
+
+class PoolWorker(NamedTuple):
+    """One worker as the supervisor sees it (for /admin/pools and /metrics)."""
+
+    worker_id: str
+    pool: str  # "prefill" | "decode" | "colocated"
+    state: str  # "starting" | "serving" | "draining" | "dead"
+    pool_restarts: int  # replacements this pool has started for retired workers
+
+
 class EngineSnapshot(NamedTuple):
     """One engine's counts at a moment (LLMEngine.snapshot())."""
 
@@ -70,6 +96,7 @@ class WorkerStats:
     kv_transfer_buckets: tuple[int, ...] = (0,) * len(TRANSFER_BUCKETS)  # cumulative counts
     requests_prefilled_locally: int = 0
     kv_transport: str = ""  # gloo | nccl | ucx; empty where nothing moves
+    stale: bool = False  # the worker missed its last report; these are older values
 
     @classmethod
     def of(cls, worker: str, pool: str, engine: EngineSnapshot, **transfer: object) -> WorkerStats:

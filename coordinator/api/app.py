@@ -8,22 +8,22 @@ and metrics. `create_app(client, settings)` is all a server (or a test) needs.
     POST /v1/completions         see completions.py
     POST /v1/chat/completions    see chat.py
     POST /tokenize, /detokenize  the served model's tokenizer
+    /admin/...                   the pools (see admin.py)
 """
 
 from __future__ import annotations
 
-import asyncio
 import secrets
-import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from coordinator.api import chat, completions
+from coordinator.api import admin, chat, completions
 from coordinator.api.client import EngineClient
 from coordinator.api.context import ServerContext, ServerSettings, context_of
 from coordinator.api.errors import ApiError, install_error_handlers, invalid
@@ -35,8 +35,6 @@ from coordinator.api.responses import (
     ModelList,
     TokenizeResponse,
 )
-from coordinator.api.streams import closing
-from protocol.sampling import SamplingParams
 
 OPEN_PATHS = frozenset({"/health", "/ready", "/metrics"})  # probes and scrapers carry no key
 
@@ -60,9 +58,45 @@ def create_app(client: EngineClient, settings: ServerSettings | None = None) -> 
     app.include_router(router)
     app.include_router(completions.router)
     app.include_router(chat.router)
+    app.include_router(admin.router)
+    app.add_middleware(BodyLimit, max_bytes=ctx.settings.max_body_bytes)
     if ctx.settings.api_key is not None:
         app.add_middleware(ApiKeyCheck, api_key=ctx.settings.api_key)
     return app
+
+
+class BodyLimit:
+    """Answers 413 for a request body over `max_bytes`, by its Content-Length or, for a chunked
+    body, as soon as the bytes read pass the limit (nothing larger is ever buffered)."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        declared = dict(scope["headers"]).get(b"content-length", b"0")
+        if not declared.isdigit() or int(declared) > self.max_bytes:
+            await self._too_large().response()(scope, receive, send)
+            return
+        seen = 0
+
+        async def counted() -> dict:
+            nonlocal seen
+            message = await receive()
+            seen += len(message.get("body", b""))
+            if seen > self.max_bytes:  # an HTTPException passes FastAPI's body reader as is
+                raise HTTPException(413, self._too_large().message)
+            return message
+
+        await self.app(scope, counted, send)
+
+    def _too_large(self) -> ApiError:
+        return ApiError(
+            413, f"the request body is larger than {self.max_bytes} bytes", code="body_too_large"
+        )
 
 
 class ApiKeyCheck:
@@ -71,12 +105,14 @@ class ApiKeyCheck:
 
     def __init__(self, app: ASGIApp, api_key: str) -> None:
         self.app = app
-        self.expected = f"Bearer {api_key}".encode()
+        self.expected = api_key.encode()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and scope["path"] not in OPEN_PATHS:
-            given = dict(scope["headers"]).get(b"authorization", b"")
-            if not secrets.compare_digest(given, self.expected):
+            # The scheme is case-insensitive (RFC 9110): "bearer KEY" is as good as "Bearer KEY".
+            scheme, _, given = dict(scope["headers"]).get(b"authorization", b"").partition(b" ")
+            valid = scheme.lower() == b"bearer" and secrets.compare_digest(given, self.expected)
+            if not valid:
                 error = ApiError(
                     401,
                     "missing or wrong API key: send 'Authorization: Bearer <key>'",
@@ -95,26 +131,15 @@ async def health() -> dict:
 
 @router.get("/ready")
 async def ready(request: Request) -> dict:
+    """Reads the backend's state (its supervisor keeps it current); starts nothing, so a probe
+    every second costs nothing."""
     ctx = context_of(request)
     if ctx.admission.draining:
         raise ApiError(503, "the server is shutting down", code="shutting_down")
-    try:
-        await asyncio.wait_for(_probe(ctx.client), ctx.settings.ready_timeout_s)
-    except asyncio.TimeoutError:
-        raise ApiError(503, "not ready: the probe generation timed out", code="not_ready") from None
-    except Exception as err:
-        raise ApiError(503, f"not ready: {err}", code="not_ready") from err
+    problem = ctx.client.readiness()
+    if problem is not None:
+        raise ApiError(503, f"not ready: {problem}", code="not_ready")
     return {"status": "ready"}
-
-
-async def _probe(client: EngineClient) -> None:
-    """One greedy token from a short prompt, outside admission and metrics."""
-    await client.ready()
-    prompt = client.tokenizer.encode("Hello")[-8:] or [0]
-    params = SamplingParams(max_tokens=1, temperature=0)
-    async with closing(client.generate(prompt, params, f"ready-{uuid.uuid4().hex}")) as stream:
-        async for _ in stream:
-            pass
 
 
 @router.get("/metrics")

@@ -13,7 +13,7 @@ from typing import Protocol
 from engine.outputs import RequestOutput
 from engine.tokenizer import Tokenizer
 from protocol.sampling import SamplingParams
-from protocol.stats import WorkerStats
+from protocol.stats import PoolWorker, WorkerStats
 
 
 class EngineClient(Protocol):
@@ -21,8 +21,8 @@ class EngineClient(Protocol):
     tokenizer: Tokenizer
     max_model_len: int  # prompt + output tokens one request may hold
 
-    def check_request(self, prompt_ids: list[int]) -> None:
-        """Raises engine.engine.RequestError for a prompt no worker can serve."""
+    def check_request(self, prompt_ids: list[int], params: SamplingParams | None = None) -> None:
+        """Raises RequestError (or SamplingError) for a request no worker can serve."""
 
     def generate(
         self, prompt_ids: list[int], params: SamplingParams, request_id: str
@@ -35,6 +35,21 @@ class EngineClient(Protocol):
         """A snapshot per worker, for /metrics. Cheap; never blocks on a worker."""
 
     async def ready(self) -> None:
-        """Returns once every worker is up; raises if one failed to start."""
+        """Returns once every worker is up; raises if one failed to start. Called once, when
+        the server starts; it also starts the backend's background loops."""
+
+    def pools(self) -> list[PoolWorker]:
+        """Every worker with its pool and state (for /admin/pools and /metrics)."""
+
+    def scale(self, sizes: dict[str, int]) -> None:
+        """Sets pool sizes, e.g. {"decode": 2}; raises PoolError where pools are fixed."""
+
+    def drain(self, worker_id: str) -> None:
+        """No new requests for the worker; it leaves once its requests are done (KeyError:
+        no such worker; PoolError where pools are fixed)."""
+
+    def readiness(self) -> str | None:
+        """None while the backend can serve (every pool has a live worker), else why not.
+        Reads state only: never waits on a worker, starts nothing."""
 
     async def shutdown(self) -> None: ...

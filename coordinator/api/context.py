@@ -21,7 +21,7 @@ class ServerContext:
         self.created = int(time.time())
         self.admission = Admission(settings.max_queue, settings.retry_after_s)
         self.metrics = ServerMetrics(
-            client.model_name, client.stats, lambda: self.admission.num_waiting
+            client.model_name, client.stats, lambda: self.admission.num_waiting, client.pools
         )
         self.token_texts = TokenTexts(client.tokenizer)
 

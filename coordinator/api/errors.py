@@ -120,4 +120,15 @@ def install_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(ApiError, on_api_error)
     app.add_exception_handler(RequestValidationError, on_validation)
     app.add_exception_handler(HTTPException, on_http)
+    # Expected failures get their own handlers, so they are answered inside the app: the
+    # catch-all below runs in Starlette's outermost middleware, which re-raises after
+    # answering, and uvicorn then logs a traceback and closes the connection.
+    for expected in (
+        RequestError,
+        SamplingError,
+        TokenizerError,
+        EngineDeadError,
+        RequestFailedError,
+    ):
+        app.add_exception_handler(expected, on_any)
     app.add_exception_handler(Exception, on_any)

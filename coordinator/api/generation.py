@@ -20,7 +20,7 @@ from fastapi import Request
 from pydantic import BaseModel
 
 from coordinator.api.context import ServerContext
-from coordinator.api.errors import ApiError
+from coordinator.api.errors import ApiError, invalid
 from coordinator.api.responses import PromptTokensDetails, Usage
 from coordinator.api.sse import EventStream
 from coordinator.api.streams import closing, fan_in
@@ -57,7 +57,17 @@ def plan_job(
     n: int,
     arrival: float,
 ) -> Job:
-    """`params` has one entry per prompt (their max_tokens may differ)."""
+    """`params` has one entry per prompt (their max_tokens may differ). Refuses a request
+    that fans out past the server's caps."""
+    settings = ctx.settings
+    if len(prompts) > settings.max_prompts:
+        raise invalid(
+            f"the request holds {len(prompts)} prompts; this server takes at most "
+            f"{settings.max_prompts} per request",
+            param="prompt",
+        )
+    if n > settings.max_n:
+        raise invalid(f"n must be at most {settings.max_n}", param="n")
     request_id = f"{kind}-{uuid.uuid4().hex}"
     single = len(prompts) * n == 1
     choices = []
@@ -75,8 +85,8 @@ def _reseeded(params: SamplingParams, offset: int) -> SamplingParams:
     return dataclasses.replace(params, seed=params.seed + offset)
 
 
-async def run_job(ctx: ServerContext, job: Job, on_output: Callable[[], None]) -> Outputs:
-    """Every choice's outputs as (choice index, output); `on_output` runs at each arrival."""
+async def run_job(ctx: ServerContext, job: Job, on_output: Callable[[int], None]) -> Outputs:
+    """Every choice's outputs as (choice index, output); `on_output(index)` runs at each."""
     streams = [
         ctx.metrics.track(
             ctx.client.generate(job.prompts[c.prompt_index], c.params, c.request_id), job.arrival
@@ -85,7 +95,7 @@ async def run_job(ctx: ServerContext, job: Job, on_output: Callable[[], None]) -
     ]
     async with closing(fan_in(streams)) as merged:
         async for index, output in merged:
-            on_output()
+            on_output(index)
             yield index, output
 
 
@@ -94,14 +104,14 @@ def stream_job(
 ) -> EventStream:
     """An SSE response for `job`; `render` turns its outputs into chunks. Admission happens
     now (a full queue is a plain 503), the ticket is released when the stream ends."""
-    ticket = ctx.admission.admit()
+    ticket = ctx.admission.admit(len(job.choices))
     return EventStream(render(run_job(ctx, job, ticket.started)), on_close=ticket.release)
 
 
 async def complete_job(ctx: ServerContext, job: Job, request: Request) -> dict[int, RequestOutput]:
     """Each choice's final output. If the client disconnects first, the job is cancelled (its
     engine requests aborted, their KV freed) instead of running on for nobody."""
-    ticket = ctx.admission.admit()
+    ticket = ctx.admission.admit(len(job.choices))
     work = asyncio.ensure_future(_final_outputs(run_job(ctx, job, ticket.started)))
     gone = asyncio.ensure_future(_disconnected(request))
     try:

@@ -15,7 +15,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from coordinator.api.streams import closing
 from coordinator.api.worker_metrics import WorkerStatsCollector
 from engine.outputs import RequestOutput
-from protocol.stats import WorkerStats
+from protocol.stats import PoolWorker, WorkerStats
 
 LATENCY_BUCKETS = (
     0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
@@ -37,6 +37,7 @@ class ServerMetrics:
         model: str,
         worker_stats: Callable[[], list[WorkerStats]],
         admission_waiting: Callable[[], int],
+        pools: Callable[[], list[PoolWorker]] = list,
     ) -> None:
         self.model = model
         self.registry = r = CollectorRegistry()
@@ -63,11 +64,11 @@ class ServerMetrics:
             ["model", "finished_reason"], registry=r,
         )  # fmt: skip
         waiting = Gauge(
-            "tandem:admission_queue_depth", "Requests admitted over HTTP with no output yet.",
+            "tandem:admission_queue_depth", "Sequences admitted over HTTP with no output yet.",
             ["model"], registry=r,
         )  # fmt: skip
         waiting.labels(model).set_function(admission_waiting)
-        r.register(WorkerStatsCollector(model, worker_stats))
+        r.register(WorkerStatsCollector(model, worker_stats, pools))
 
     def _histogram(self, name: str, text: str, buckets: tuple[float, ...]) -> Histogram:
         family = Histogram(

@@ -13,8 +13,6 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
-MAX_N = 16  # choices per request; each is a separate engine request
-
 # Parameters we do not implement, and the values that ask for nothing.
 NEUTRAL_VALUES: dict[str, tuple[Any, ...]] = {
     "echo": (None, False),
@@ -60,7 +58,7 @@ class SamplingRequest(_Strict):
     """Parameters shared by completions and chat; None means the default."""
 
     model: str | None = None
-    n: int = Field(1, ge=1, le=MAX_N)
+    n: int = Field(1, ge=1)  # capped by ServerSettings.max_n
     temperature: float | None = None
     top_p: float | None = None
     top_k: int | None = None

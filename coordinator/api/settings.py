@@ -6,11 +6,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 DEFAULT_MAX_QUEUE = 256
+MAX_N = 16  # choices per request by default; each is a separate engine request
 
 
 @dataclass(frozen=True)
 class ServerSettings:
     api_key: str | None = None  # when set, every route but health/ready/metrics needs it
-    max_queue: int = DEFAULT_MAX_QUEUE  # requests admitted but without output yet
+    max_queue: int = DEFAULT_MAX_QUEUE  # sequences admitted but without output yet
+    max_prompts: int = 64  # prompts in one completions request (a list of prompts)
+    max_n: int = MAX_N  # choices per prompt
+    max_body_bytes: int = 8 * 2**20  # request bodies over this get 413
     retry_after_s: int = 1  # the Retry-After sent with a 503 for a full queue
-    ready_timeout_s: float = 30.0  # how long the readiness probe's generation may take

@@ -1,6 +1,6 @@
 """Worker-level Prometheus metrics: a collector that reads `EngineClient.stats()` at scrape time.
 
-Workers keep cumulative counters (see `coordinator.stats.WorkerStats`); they are exported as they
+Workers keep cumulative counters (see `protocol.stats.WorkerStats`); they are exported as they
 are, one series per worker, labelled model / worker / pool. Pool-wide queue depths are sums over
 the pool's workers.
 """
@@ -17,7 +17,7 @@ from prometheus_client.core import (
 )
 from prometheus_client.registry import Collector
 
-from protocol.stats import TRANSFER_BUCKETS, WorkerStats
+from protocol.stats import TRANSFER_BUCKETS, PoolWorker, WorkerStats
 
 WORKER_LABELS = ["model", "worker", "pool"]
 
@@ -42,9 +42,15 @@ COUNTERS = (
 
 
 class WorkerStatsCollector(Collector):
-    def __init__(self, model: str, stats: Callable[[], list[WorkerStats]]) -> None:
+    def __init__(
+        self,
+        model: str,
+        stats: Callable[[], list[WorkerStats]],
+        pools: Callable[[], list[PoolWorker]] = list,
+    ) -> None:
         self.model = model
         self.stats = stats
+        self.pools = pools
 
     def describe(self) -> list[Metric]:
         return []  # nothing to check at registration; the names are fixed above
@@ -64,6 +70,42 @@ class WorkerStatsCollector(Collector):
         yield self._transfer_seconds(snapshot)
         yield self._pool_queue_depth(snapshot)
         yield self._transport(snapshot)
+        yield from self._pool_states(self.pools())
+        stale = GaugeMetricFamily(
+            "tandem:worker_stats_stale",
+            "1 while the worker's last stats report is missing (values are older).",
+            labels=WORKER_LABELS,
+        )
+        for s in snapshot:
+            stale.add_metric(self._labels(s), float(s.stale))
+        yield stale
+
+    def _pool_states(self, workers: list[PoolWorker]) -> Iterator[Metric]:
+        sizes = GaugeMetricFamily(
+            "tandem:pool_workers", "Workers per pool and state.", labels=["model", "pool", "state"]
+        )
+        counts: dict[tuple[str, str], int] = {}
+        restarts: dict[str, int] = {}
+        for w in workers:
+            counts[(w.pool, w.state)] = counts.get((w.pool, w.state), 0) + 1
+            restarts[w.pool] = w.pool_restarts
+        for (pool, state), count in sorted(counts.items()):
+            sizes.add_metric([self.model, pool, state], float(count))
+        yield sizes
+        states = GaugeMetricFamily(
+            "tandem:worker_state", "Each worker's state (value always 1).",
+            labels=[*WORKER_LABELS, "state"],
+        )  # fmt: skip
+        for w in workers:
+            states.add_metric([self.model, w.worker_id, w.pool, w.state], 1.0)
+        yield states
+        restarted = CounterMetricFamily(
+            "tandem:worker_restarts", "Replacements started for retired workers.",
+            labels=["model", "pool"],
+        )  # fmt: skip
+        for pool, count in sorted(restarts.items()):
+            restarted.add_metric([self.model, pool], float(count))
+        yield restarted
 
     def _labels(self, s: WorkerStats) -> list[str]:
         return [self.model, s.worker, s.pool]

@@ -11,7 +11,7 @@ import ray
 
 from engine.llm import LLM
 from protocol.sampling import SamplingParams
-from tests.engine.test_batch_invariance import mixed_prompts
+from tests.support.prompts import mixed_prompts
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
 

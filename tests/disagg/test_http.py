@@ -15,7 +15,7 @@ from coordinator.builder import DeployConfig, build_client
 from engine.config import EngineConfig
 from engine.llm import LLM
 from protocol.sampling import SamplingParams
-from tests.coordinator.conftest import ServerThread
+from tests.support.servers import ServerThread
 
 PROMPT = "tandem moves the KV cache"
 

@@ -11,9 +11,9 @@ import ray
 from engine.config import ModelConfig
 from engine.llm import LLM
 from protocol.sampling import SamplingParams
-from tests.engine.test_batch_invariance import mixed_prompts
-from tests.engine.test_model_parity import hf_greedy
+from tests.support.hf_reference import hf_greedy
 from tests.support.loop import collect
+from tests.support.prompts import mixed_prompts
 
 # min_tokens masks EOS exactly as transformers' min_new_tokens does.
 GREEDY = SamplingParams(max_tokens=10, min_tokens=10, temperature=0)

@@ -2,19 +2,13 @@
 
 from __future__ import annotations
 
-import random
-
 import pytest
 
 from engine.llm import LLM
 from protocol.sampling import SamplingParams
+from tests.support.prompts import mixed_prompts
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
-
-
-def mixed_prompts(vocab: int, count: int = 16, seed: int = 7) -> list[list[int]]:
-    rng = random.Random(seed)
-    return [[rng.randrange(3, vocab) for _ in range(rng.randint(1, 60))] for _ in range(count)]
 
 
 @pytest.fixture(scope="module")

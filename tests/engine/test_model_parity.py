@@ -8,6 +8,7 @@ from transformers import AutoModelForCausalLM
 
 from engine.llm import LLM
 from protocol.sampling import SamplingParams
+from tests.support.hf_reference import hf_greedy
 
 PROMPTS = [
     "The quick brown fox",
@@ -34,14 +35,6 @@ FAMILIES = [
     ("qwen3", {}),
     ("mistral", {"sliding_window": None}),
 ]
-
-
-def hf_greedy(folder, prompt_ids: list[int], n: int) -> list[int]:
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
-    out = model.generate(
-        torch.tensor([prompt_ids]), max_new_tokens=n, min_new_tokens=n, do_sample=False
-    )
-    return out[0, len(prompt_ids) :].tolist()
 
 
 @pytest.mark.parametrize(("family", "overrides"), FAMILIES, ids=lambda v: str(v)[:20])

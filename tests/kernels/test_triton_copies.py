@@ -8,7 +8,7 @@ import torch
 
 from kernels.pack_kv import pack_kv_ref, unpack_kv_ref
 from kernels.store_kv import store_kv_ref
-from tests.kernels.triton_cases import (
+from tests.support.triton_cases import (
     HALF_DTYPES,
     compiled,
     device,

@@ -10,7 +10,7 @@ import torch
 
 from kernels import ops
 from kernels.rms_norm import fused_add_rms_norm_ref
-from tests.kernels.triton_cases import compiled
+from tests.support.triton_cases import compiled
 
 
 def test_fused_add_rms_norm_on_cpu_matches_reference() -> None:

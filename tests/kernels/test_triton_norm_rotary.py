@@ -10,7 +10,7 @@ import torch
 
 from kernels.rms_norm import fused_add_rms_norm_ref, rms_norm_ref
 from kernels.rotary import rotary_ref
-from tests.kernels.triton_cases import HALF_DTYPES, compiled, device, interpreted
+from tests.support.triton_cases import HALF_DTYPES, compiled, device, interpreted
 
 DTYPES = [*HALF_DTYPES, torch.float32]
 BF16_ULP = 2**-7

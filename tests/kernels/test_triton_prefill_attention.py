@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from kernels.prefill_attention import prefill_attention_ref
-from tests.kernels.triton_cases import HALF_DTYPES, compiled, device, interpreted, paged_cache
+from tests.support.triton_cases import HALF_DTYPES, compiled, device, interpreted, paged_cache
 
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 2e-3}
 

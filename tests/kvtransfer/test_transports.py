@@ -6,7 +6,6 @@ ucx runs twice: over shared memory (`ucx-shm`) and over TCP (`ucx-tcp`)."""
 
 from __future__ import annotations
 
-import importlib.util
 import multiprocessing as mp
 import threading
 import time
@@ -15,32 +14,12 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from kvtransfer.transport import Rendezvous, TransferError, make_transport
+from kvtransfer.transport import Rendezvous, TransferError
 from kvtransfer.wire import DoneFrame, StepFrame, recv_frame, send_frame
+from tests.support.transports import TRANSPORTS, close_transport, transport_named
 
-CPU = torch.device("cpu")
 OPEN_TIMEOUT = 20.0
 DEAD_PEER_LIMIT = 10.0  # seconds within which a dead peer must become an error
-needs_ucxx = pytest.mark.skipif(
-    importlib.util.find_spec("ucxx") is None, reason="ucxx is not installed: tandem[ucx]"
-)
-TRANSPORTS = [
-    pytest.param("gloo", id="gloo"),
-    pytest.param("ucx-shm", id="ucx-shm", marks=needs_ucxx),
-    pytest.param("ucx-tcp", id="ucx-tcp", marks=needs_ucxx),
-]
-
-
-def transport_named(name: str):
-    if name.startswith("ucx"):
-        import kvtransfer.ucx  # noqa: F401  (registers the ucx-shm and ucx-tcp variants)
-    return make_transport(name, CPU)
-
-
-def close_transport(transport) -> None:
-    """ucx transports own a UCX worker and a thread; gloo's own nothing."""
-    if hasattr(transport, "close"):
-        transport.close()
 
 
 @pytest.fixture(params=TRANSPORTS)

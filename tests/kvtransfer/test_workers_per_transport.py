@@ -16,8 +16,8 @@ from kvtransfer.transport import TransferError
 from prefill.worker import PrefillReport, PrefillWorker
 from protocol.messages import RequestFailed, WorkerUpdate, WorkRequest
 from protocol.sampling import SamplingParams
-from tests.engine.test_batch_invariance import mixed_prompts
-from tests.kvtransfer.test_transports import TRANSPORTS, close_transport, transport_named
+from tests.support.prompts import mixed_prompts
+from tests.support.transports import TRANSPORTS, close_transport, transport_named
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
 TIMEOUT = 60.0

@@ -6,7 +6,7 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
-from tests.loadtest.fake_server import FakeServer, Script
+from tests.support.fake_server import FakeServer, Script
 
 
 @pytest.fixture

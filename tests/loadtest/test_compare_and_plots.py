@@ -15,8 +15,8 @@ from loadtest.metrics import compute_metrics
 from loadtest.plots import plot_run
 from loadtest.results import Record, result_record
 from loadtest.runner import RunOutcome
-from tests.loadtest.png import png_size
-from tests.loadtest.support import parse_bench
+from tests.support.bench import parse_bench
+from tests.support.png import png_size
 
 
 def make_record(itl: float, label: str | None = None, failures: int = 0) -> Record:

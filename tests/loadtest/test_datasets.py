@@ -14,7 +14,7 @@ from loadtest.config import DatasetConfig, MixedSpec, PrefixRepetitionSpec, Rand
 from loadtest.datasets import sample_requests
 from loadtest.errors import BenchError
 from loadtest.prompts import synthesize_text
-from tests.loadtest.support import WhitespaceCounter
+from tests.support.bench import WhitespaceCounter
 
 
 class TwoTokensPerWord:

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 from loadtest.errors import BenchError
-from tests.loadtest.fake_server import Failure
-from tests.loadtest.support import bench
+from tests.support.bench import bench
+from tests.support.fake_server import Failure
 
 SHORT = ("--random-input-len", "4", "--random-output-len", "4", "--num-prompts", "2")
 

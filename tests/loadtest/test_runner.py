@@ -8,7 +8,7 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
 from loadtest.arrivals import send_offsets
-from tests.loadtest.support import bench
+from tests.support.bench import bench
 
 SLACK = 0.050  # seconds of overhead allowed on one measurement, on a busy 2-core machine
 SHORT = ("--random-input-len", "6", "--random-output-len", "3")

@@ -9,8 +9,8 @@ import heapq
 
 import pytest
 
-from tests.loadtest.fake_server import FakeServer, Script
-from tests.loadtest.support import bench
+from tests.support.bench import bench
+from tests.support.fake_server import FakeServer, Script
 
 TTFT, ITL = 0.150, 0.060
 SLACK = 0.050  # seconds of overhead allowed on one measurement

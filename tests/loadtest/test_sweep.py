@@ -9,8 +9,8 @@ import pytest
 
 from loadtest.config import LoadConfig, SweepParameter
 from loadtest.sweep import find_knee, load_at, parse_sweep
-from tests.loadtest.png import png_size
-from tests.loadtest.support import bench
+from tests.support.bench import bench
+from tests.support.png import png_size
 
 
 @pytest.mark.parametrize(

@@ -25,7 +25,7 @@ from coordinator.coordinator import Coordinator, CoordinatorConfig
 from protocol.kv import Endpoint, KVLayout, Ticket
 from protocol.messages import PrefillResult, RequestFailed, TokenUpdate, WorkerUpdate, WorkRequest
 from protocol.sampling import FinishReason
-from protocol.stats import WorkerStats
+from protocol.stats import EngineHealth, WorkerStats
 
 OUTPUT = [10, 11, 12, 13, 14, 15, 16, 17]  # every request's tokens, in order
 MAX_MODEL_LEN = 512
@@ -88,11 +88,19 @@ class FakeDecodeActor:
         self.reserved: dict[str, WorkRequest] = {}  # KV not arrived yet
         self.active: dict[str, tuple[WorkRequest, int]] = {}  # request, next output index
         self._wake = asyncio.Event()
+        self.frozen = False  # like a SIGSTOPped process: no call answers
 
     async def ping(self) -> int:
         return self.max_model_len
 
+    async def health(self) -> EngineHealth:
+        if self.frozen:  # SIGSTOPped: never answers
+            await asyncio.Event().wait()
+        return EngineHealth(alive=True, busy=False, seconds_since_progress=0.0, error=None)
+
     async def reserve(self, work: WorkRequest, prefill_id: str) -> Ticket | None:
+        if self.frozen:
+            await asyncio.Event().wait()
         if not self.room:
             return None
         self.reserved[work.request_id] = work
@@ -116,6 +124,8 @@ class FakeDecodeActor:
         return found is not None
 
     async def updates(self, timeout: float) -> list[WorkerUpdate]:
+        if self.frozen:
+            await asyncio.Event().wait()
         updates = self._step()
         if not updates:
             self._wake.clear()
@@ -125,6 +135,8 @@ class FakeDecodeActor:
         return updates
 
     async def stats(self) -> WorkerStats:
+        if self.frozen:
+            await asyncio.Event().wait()
         return WorkerStats(self.worker_id, "decode", num_free_blocks=self.free_blocks)
 
     def _step(self) -> list[WorkerUpdate]:
@@ -175,14 +187,20 @@ class FakePrefillActor:
         self.max_model_len = MAX_MODEL_LEN
         self.failures: dict[str, Exception] = {}
         self.hangs: set[str] = set()
+        self.frozen = False  # like a SIGSTOPped process: health() and prefill() never answer
 
     async def ping(self) -> int:
         return self.max_model_len
 
+    async def health(self) -> EngineHealth:
+        if self.frozen:  # SIGSTOPped: never answers
+            await asyncio.Event().wait()
+        return EngineHealth(alive=True, busy=False, seconds_since_progress=0.0, error=None)
+
     async def prefill(self, work: WorkRequest, ticket: Ticket) -> PrefillResult:
         if work.request_id in self.failures:
             raise self.failures[work.request_id]
-        if work.request_id in self.hangs:
+        if work.request_id in self.hangs or self.frozen:
             await asyncio.Event().wait()
         self.decodes[ticket.decode_id].kv_arrived(work.request_id)
         token_id = OUTPUT[len(work.output_ids)]
@@ -192,6 +210,8 @@ class FakePrefillActor:
         return None
 
     async def stats(self) -> WorkerStats:
+        if self.frozen:
+            await asyncio.Event().wait()
         return WorkerStats(self.worker_id, "prefill", num_free_blocks=100)
 
 
@@ -204,6 +224,7 @@ class FakeCluster:
         num_prefill: int = 2,
         num_decode: int = 1,
         eos_ids: frozenset[int] = frozenset(),
+        spawn: bool = False,
     ) -> None:
         decodes = {
             f"decode-{i}": FakeDecodeActor(f"decode-{i}", eos_ids) for i in range(num_decode)
@@ -211,12 +232,27 @@ class FakeCluster:
         prefills = {
             f"prefill-{i}": FakePrefillActor(f"prefill-{i}", decodes) for i in range(num_prefill)
         }
+        self.decodes, self.eos_ids = decodes, eos_ids
         self.decode = {w: FakeHandle(actor) for w, actor in decodes.items()}
         self.prefill = {w: FakeHandle(actor) for w, actor in prefills.items()}
+        self.spawned: list[str] = []
         self.coordinator = Coordinator(
             "fake", FakeTokenizer(), MAX_MODEL_LEN, VOCAB_SIZE, eos_ids,  # type: ignore[arg-type]
-            self.prefill, self.decode, config,
+            self.prefill, self.decode, config, spawn=self.spawn if spawn else None,
         )  # fmt: skip
+
+    def spawn(self, pool: str) -> tuple[str, FakeHandle]:
+        """A new fake worker of `pool`, as the builder's spawner would start a real one."""
+        worker_id = f"{pool}-new{len(self.spawned)}"
+        self.spawned.append(worker_id)
+        if pool == "prefill":
+            handle = FakeHandle(FakePrefillActor(worker_id, self.decodes))
+            self.prefill[worker_id] = handle
+        else:
+            self.decodes[worker_id] = FakeDecodeActor(worker_id, self.eos_ids)
+            handle = FakeHandle(self.decodes[worker_id])
+            self.decode[worker_id] = handle
+        return worker_id, handle
 
     @contextlib.asynccontextmanager
     async def running(self) -> AsyncIterator[Coordinator]:

@@ -12,7 +12,7 @@ from engine.local_client import LocalEngineClient
 from engine.outputs import RequestOutput
 from protocol.errors import EngineDeadError
 from protocol.sampling import SamplingParams
-from protocol.stats import WorkerStats
+from protocol.stats import PoolWorker, WorkerStats
 
 
 class WrappedClient:
@@ -23,8 +23,8 @@ class WrappedClient:
         self.max_model_len = inner.max_model_len
         self.shut_down = threading.Event()
 
-    def check_request(self, prompt_ids: list[int]) -> None:
-        self.inner.check_request(prompt_ids)
+    def check_request(self, prompt_ids: list[int], params: SamplingParams | None = None) -> None:
+        self.inner.check_request(prompt_ids, params)
 
     def generate(
         self, prompt_ids: list[int], params: SamplingParams, request_id: str
@@ -36,6 +36,18 @@ class WrappedClient:
 
     async def ready(self) -> None:
         await self.inner.ready()
+
+    def pools(self) -> list[PoolWorker]:
+        return self.inner.pools()
+
+    def scale(self, sizes: dict[str, int]) -> None:
+        self.inner.scale(sizes)
+
+    def drain(self, worker_id: str) -> None:
+        self.inner.drain(worker_id)
+
+    def readiness(self) -> str | None:
+        return self.inner.readiness()
 
     async def shutdown(self) -> None:
         await self.inner.shutdown()

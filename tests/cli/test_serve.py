@@ -4,12 +4,7 @@ on SIGINT / SIGTERM."""
 from __future__ import annotations
 
 import argparse
-import os
 import signal
-import socket
-import subprocess
-import sys
-import time
 
 import httpx
 import pytest
@@ -20,6 +15,7 @@ from coordinator.api.settings import ServerSettings
 from coordinator.deploy import MODES, DeployConfig
 from engine.config import EngineConfig
 from kvtransfer.names import TRANSPORT_NAMES
+from loadtest.serve_process import ServeProcess
 from protocol.kv import DTYPE_BYTES
 
 FLAGS = [
@@ -30,6 +26,7 @@ FLAGS = [
     "--shutdown-grace", "--prefix-caching", "--seed", "--log-level",
 ]  # fmt: skip
 START_TIMEOUT_S = 120
+STOP_TIMEOUT_S = 30
 
 
 def serve_args(*argv: str) -> argparse.Namespace:
@@ -139,43 +136,19 @@ def test_flags_become_the_engine_and_deploy_configs(tiny_llama) -> None:
     assert (deploy.local_prefill_threshold, deploy.model_name) == (64, "mine")
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
-def test_process_serves_then_exits_0_on_signal(tiny_llama, sig) -> None:
-    port = free_port()
-    command = [
-        sys.executable, "-m", "cli.main", "serve", "--model", str(tiny_llama),
-        "--port", str(port), "--dtype", "float32", "--kv-cache-memory", "16MiB",
+def test_process_serves_then_exits_0_on_signal(tiny_llama, sig, tmp_path) -> None:
+    args = [
+        "--model", str(tiny_llama), "--dtype", "float32", "--kv-cache-memory", "16MiB",
         "--mode", "colocated", "--log-level", "warning",
     ]  # fmt: skip
-    # Its own session: if the test fails, the server and the Ray cluster it started go together.
-    process = subprocess.Popen(command, stderr=subprocess.PIPE, text=True, start_new_session=True)
-    try:
-        url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while not _answers(url + "/health"):
-            assert process.poll() is None, process.communicate()[1]
-            assert time.monotonic() < deadline, "the server did not start"
-            time.sleep(0.2)
+    # Leaving the block kills whatever is left of the server and the Ray cluster it started.
+    with ServeProcess(args, tmp_path / "serve.log") as server:
+        server.wait_healthy(START_TIMEOUT_S)
         body = {"prompt": "hi", "max_tokens": 3, "ignore_eos": True}
-        usage = httpx.post(url + "/v1/completions", json=body, timeout=120).json()["usage"]
+        usage = httpx.post(server.url + "/v1/completions", json=body, timeout=120).json()["usage"]
         assert usage["completion_tokens"] == 3
-        process.send_signal(sig)
-        _, stderr = process.communicate(timeout=30)
-    finally:
-        if process.poll() is None:
-            os.killpg(process.pid, signal.SIGKILL)
-    assert process.returncode == 0, stderr
-    assert "Traceback" not in stderr
-
-
-def _answers(url: str) -> bool:
-    try:
-        return httpx.get(url, timeout=1).status_code == 200
-    except httpx.HTTPError:
-        return False
+        returncode = server.stop(STOP_TIMEOUT_S, sig)
+        output = server.output  # its stdout and stderr (where it logs)
+    assert returncode == 0, output
+    assert "Traceback" not in output

@@ -6,7 +6,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.coordinator.conftest import LONG_NUM_KV_BLOCKS, LONG_TOKENS, local_client
+from tests.support.servers import LONG_NUM_KV_BLOCKS, LONG_TOKENS, local_client
 
 PROMPT = [5, 6, 7, 8, 9, 10, 11, 12, 13]  # 9 tokens: two full blocks of 4 to cache
 

@@ -12,8 +12,8 @@ import pytest
 
 from coordinator.api.app import create_app
 from coordinator.api.server import CANCEL_AFTER_DRAIN_S, DrainingServer
-from tests.coordinator.conftest import ServerThread, local_client, wait_until
-from tests.coordinator.wrappers import FailingClient, GatedClient
+from tests.support.servers import ServerThread, local_client, wait_until
+from tests.support.wrapped_clients import FailingClient, GatedClient
 
 STREAM = {"prompt": [5, 6, 7], "max_tokens": 8, "temperature": 0, "ignore_eos": True,
           "stream": True}  # fmt: skip

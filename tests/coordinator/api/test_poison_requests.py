@@ -10,13 +10,14 @@ import asyncio
 import httpx
 import pytest
 
+from coordinator.api.settings import ServerSettings
 from engine.async_engine import AsyncEngine
 from engine.config import EngineConfig
 from engine.engine import LLMEngine
 from engine.tokenizer import Tokenizer
 from protocol.errors import RequestFailedError
 from protocol.sampling import SamplingParams
-from tests.coordinator.conftest import local_client
+from tests.support.servers import local_client
 
 GREEDY = {"prompt": "hello there", "max_tokens": 8, "temperature": 0, "ignore_eos": True}
 
@@ -113,3 +114,54 @@ async def _run(engine: AsyncEngine, prompts, params, poisoned) -> list:
         return await asyncio.gather(*jobs)
     finally:
         engine.shutdown()
+
+
+@pytest.fixture(scope="module")
+def capped(serve, client):
+    settings = ServerSettings(max_queue=8, max_prompts=4, max_n=2, max_body_bytes=4096)
+    server = serve(client, settings)
+    with httpx.Client(base_url=server.url, timeout=60) as http:
+        yield http
+
+
+def test_fan_out_counts_sequences_and_has_caps(capped) -> None:
+    body = {"max_tokens": 2, "temperature": 0}
+    too_many = capped.post("/v1/completions", json={**body, "prompt": ["hi"] * 5})
+    assert too_many.status_code == 400 and too_many.json()["error"]["param"] == "prompt"
+    big_n = capped.post("/v1/completions", json={**body, "prompt": "hi", "n": 3})
+    assert big_n.status_code == 400 and big_n.json()["error"]["param"] == "n"
+    # 4 prompts x 2 choices = 8 sequences: exactly the queue; one more prompt's worth is not.
+    full = capped.post("/v1/completions", json={**body, "prompt": ["hi"] * 4, "n": 2})
+    assert full.status_code == 200 and len(full.json()["choices"]) == 8
+    assert capped.post("/v1/completions", json={**body, "prompt": "hi"}).status_code == 200
+
+
+def test_body_size_limit(capped) -> None:
+    huge = {"prompt": "a" * 5000, "max_tokens": 1}
+    reply = capped.post("/v1/completions", json=huge)
+    assert reply.status_code == 413, reply.text
+    assert set(reply.json()["error"]) == {"message", "type", "param", "code"}
+
+    def chunks():  # no Content-Length: the limit holds while the body streams in
+        yield b'{"prompt": "'
+        for _ in range(10):
+            yield b"a" * 1000
+        yield b'", "max_tokens": 1}'
+
+    streamed = capped.post(
+        "/v1/completions", content=chunks(), headers={"Content-Type": "application/json"}
+    )
+    assert streamed.status_code == 413, streamed.text
+    assert capped.post("/v1/completions", json={"prompt": "hi", "max_tokens": 1}).status_code == 200
+
+
+def test_lone_surrogates_are_a_400(capped) -> None:
+    raw = '{"prompt": "a\\ud800b", "max_tokens": 2}'
+    headers = {"Content-Type": "application/json"}
+    reply = capped.post("/v1/completions", content=raw, headers=headers)
+    assert reply.status_code == 400, reply.text
+    assert "surrogate" in reply.json()["error"]["message"]
+    chat = '{"messages": [{"role": "user", "content": "x\\udfffy"}], "max_tokens": 2}'
+    reply = capped.post("/v1/chat/completions", content=chat, headers=headers)
+    assert reply.status_code == 400, reply.text
+    assert capped.post("/v1/completions", json={"prompt": "hi", "max_tokens": 1}).status_code == 200

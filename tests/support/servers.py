@@ -1,24 +1,24 @@
-"""An in-process server per test module: uvicorn in a background thread on 127.0.0.1, serving
-the real colocated engine on a tiny random checkpoint (float32, KV blocks of 4 tokens)."""
+"""An in-process server: uvicorn in a background thread on 127.0.0.1 serving an app built in the
+test's own process, usually over the real colocated engine on a tiny random checkpoint (float32,
+KV blocks of 4 tokens). A `tandem serve` child process is loadtest.serve_process.ServeProcess."""
 
 from __future__ import annotations
 
+import asyncio
 import socket
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
-import pytest
 import uvicorn
 from fastapi import FastAPI
 
-from coordinator.api.app import create_app
-from coordinator.api.context import ServerSettings
 from engine.config import EngineConfig
 from engine.local_client import LocalEngineClient
 
 START_TIMEOUT_S = 30.0
+POLL_S = 0.01
 NUM_KV_BLOCKS = 256
 # A request of LONG_TOKENS takes seconds on the long-context model: long enough that it is still
 # running whenever a test looks.
@@ -36,7 +36,10 @@ class ServerThread:
         **config_options: object,
     ) -> None:
         self.app = app
-        self._sock = socket.socket()
+        # IPPROTO_TCP named explicitly: asyncio turns Nagle off (TCP_NODELAY) only on sockets
+        # whose proto says TCP, and with Nagle on every keep-alive response waits ~40 ms for
+        # the client's delayed ACK.
+        self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
         self._sock.bind(("127.0.0.1", 0))
         self.url = f"http://127.0.0.1:{self._sock.getsockname()[1]}"
         config = uvicorn.Config(app, log_level="warning", lifespan="on", **config_options)
@@ -61,34 +64,28 @@ class ServerThread:
 
 
 def local_client(model: Path, **engine_options: object) -> LocalEngineClient:
+    """The colocated engine on `model`, served as "tiny"; `engine_options` override the test
+    defaults (float32, blocks of 4 tokens, NUM_KV_BLOCKS of them)."""
     options = {"dtype": "float32", "block_size": 4, "num_kv_blocks": NUM_KV_BLOCKS}
     options.update(engine_options)
     return LocalEngineClient.from_config(EngineConfig(model=model, **options), "tiny")
 
 
-@pytest.fixture(scope="session")
-def long_llama(checkpoints) -> Path:
-    return checkpoints("llama", max_position_embeddings=4096)
-
-
-@pytest.fixture(scope="module")
-def serve() -> Iterator[Callable[..., ServerThread]]:
-    """serve(client, settings) starts a server for this module; all stop at its end."""
-    servers: list[ServerThread] = []
-
-    def start(client: LocalEngineClient, settings: ServerSettings | None = None) -> ServerThread:
-        servers.append(ServerThread(create_app(client, settings)).start())
-        return servers[-1]
-
-    yield start
-    for server in servers:
-        server.stop()
-
-
 def wait_until(condition: Callable[[], bool], timeout: float) -> bool:
+    """Polls `condition` until it holds or `timeout` seconds pass; its last value."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if condition():
             return True
-        time.sleep(0.01)
+        time.sleep(POLL_S)
+    return condition()
+
+
+async def wait_until_async(condition: Callable[[], bool], timeout: float) -> bool:
+    """wait_until for a coroutine: sleeps without blocking its event loop."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if condition():
+            return True
+        await asyncio.sleep(POLL_S)
     return condition()

@@ -8,7 +8,7 @@ import json
 import httpx
 import pytest
 
-from tests.coordinator.conftest import local_client
+from tests.support.servers import local_client
 
 ERROR_KEYS = {"message", "type", "param", "code"}
 

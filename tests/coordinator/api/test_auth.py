@@ -8,7 +8,7 @@ import openai
 import pytest
 
 from coordinator.api.context import ServerSettings
-from tests.coordinator.conftest import local_client
+from tests.support.servers import local_client
 
 KEY = "s3cret-key"
 COMPLETION = {"prompt": "hi", "max_tokens": 2}

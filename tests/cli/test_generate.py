@@ -14,7 +14,7 @@ from cli.main import build_parser
 from engine.llm import LLM
 from protocol.sampling import SamplingParams
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def tandem(*args: str) -> subprocess.CompletedProcess:

@@ -9,10 +9,17 @@ import httpx
 import pytest
 
 from coordinator.api.context import ServerSettings
-from tests.coordinator.conftest import LONG_NUM_KV_BLOCKS, LONG_TOKENS, local_client, wait_until
+from tests.support.servers import (
+    LONG_NUM_KV_BLOCKS,
+    LONG_TOKENS,
+    local_client,
+    wait_until,
+    wait_until_async,
+)
 
 LONG = {"prompt": [5, 6, 7, 8, 9], "max_tokens": LONG_TOKENS, "temperature": 0, "ignore_eos": True}
 FREED_WITHIN_S = 1.0
+IN_ENGINE_WITHIN_S = 30.0  # the request reaches the engine (the first test may compile kernels)
 
 
 @pytest.fixture(scope="module")
@@ -26,6 +33,11 @@ def engine_is_idle(client) -> bool:
     stats = client.stats()[0]
     all_free = stats.num_free_blocks == LONG_NUM_KV_BLOCKS
     return stats.num_running == stats.num_waiting == 0 and all_free
+
+
+def is_running(client) -> bool:
+    """The engine runs the one request it has room for: its KV blocks are taken."""
+    return client.stats()[0].num_running == 1
 
 
 def success_count(url: str) -> float:
@@ -54,7 +66,7 @@ def test_non_streaming_disconnect_aborts_and_frees_blocks(one_at_a_time) -> None
     async def leave_early() -> None:
         async with httpx.AsyncClient(base_url=server.url) as http:
             request = asyncio.create_task(http.post("/v1/completions", json=LONG, timeout=30))
-            await asyncio.sleep(0.05)  # the request is in the engine
+            assert await wait_until_async(lambda: is_running(client), IN_ENGINE_WITHIN_S)
             request.cancel()  # closes the connection
             await asyncio.gather(request, return_exceptions=True)
 

@@ -8,7 +8,7 @@ import pytest
 
 from engine.llm import LLM
 from protocol.sampling import SamplingParams
-from tests.coordinator.conftest import local_client
+from tests.support.servers import local_client
 
 PROMPT = "The quick brown fox"
 MESSAGES = [{"role": "user", "content": "Paged attention stores keys"}]

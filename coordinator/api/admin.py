@@ -1,0 +1,76 @@
+"""The admin API: the pools as they are, and changes to them. Behind the API key like every
+route but the probes.
+
+    GET  /admin/pools                  every worker: pool, state, load; restarts per pool
+    POST /admin/pools                  {"prefill": N, "decode": M}: grow or shrink (drains)
+    POST /admin/workers/{id}/drain     no new requests; it leaves once its requests are done
+"""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ConfigDict, Field
+
+from coordinator.api.context import ServerContext, context_of
+from coordinator.api.errors import ApiError, invalid
+from protocol.errors import PoolError
+
+router = APIRouter(prefix="/admin")
+
+
+class PoolSizes(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    prefill: int | None = Field(None, ge=0)
+    decode: int | None = Field(None, ge=0)
+    colocated: int | None = Field(None, ge=0)
+
+
+@router.get("/pools")
+async def get_pools(request: Request) -> JSONResponse:
+    return JSONResponse(_view(context_of(request)))
+
+
+@router.post("/pools")
+async def set_pools(body: PoolSizes, request: Request) -> JSONResponse:
+    ctx = context_of(request)
+    sizes = body.model_dump(exclude_none=True)
+    if not sizes:
+        raise invalid('name at least one pool and its size, e.g. {"decode": 2}')
+    try:
+        ctx.client.scale(sizes)
+    except PoolError as err:
+        raise invalid(str(err)) from err
+    return JSONResponse(_view(ctx))
+
+
+@router.post("/workers/{worker_id}/drain")
+async def drain_worker(worker_id: str, request: Request) -> JSONResponse:
+    ctx = context_of(request)
+    try:
+        ctx.client.drain(worker_id)
+    except KeyError:
+        raise ApiError(404, f"no worker {worker_id!r}", code="worker_not_found") from None
+    except PoolError as err:
+        raise invalid(str(err)) from err
+    return JSONResponse(_view(ctx))
+
+
+def _view(ctx: ServerContext) -> dict:
+    load = {s.worker: s for s in ctx.client.stats()}
+    workers = []
+    restarts: dict[str, int] = {}
+    for w in ctx.client.pools():
+        stats = load.get(w.worker_id)
+        workers.append(
+            {
+                "id": w.worker_id,
+                "pool": w.pool,
+                "state": w.state,
+                "running": stats.num_running if stats else 0,
+                "waiting": stats.num_waiting if stats else 0,
+                "kv_cache_usage": stats.kv_cache_usage if stats else 0.0,
+            }
+        )
+        restarts[w.pool] = w.pool_restarts
+    return {"workers": workers, "restarts": restarts}

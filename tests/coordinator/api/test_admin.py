@@ -1,0 +1,99 @@
+"""The admin API over HTTP, in front of the real Coordinator driving fake workers: the pools
+as they are, growth, shrinking, draining, their errors, and what /metrics and /ready say."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import httpx
+import pytest
+
+import coordinator.coordinator as coordinator_module
+from coordinator.api.app import create_app
+from coordinator.api.settings import ServerSettings
+from coordinator.coordinator import CoordinatorConfig
+from coordinator.supervisor import SupervisorConfig
+from tests.support.fake_workers import OUTPUT, FakeCluster
+from tests.support.servers import ServerThread, wait_until
+
+KEY = "admin-secret"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+CONFIG = CoordinatorConfig(
+    block_size=4,
+    supervision=SupervisorConfig(probe_interval=0.02, probe_timeout=0.2, restart_backoff=0.01),
+)
+
+
+@pytest.fixture
+def cluster(monkeypatch):
+    monkeypatch.setattr(coordinator_module, "POLL_SECONDS", 0.02)
+    monkeypatch.setattr("ray.kill", lambda handle: None)
+    cluster = FakeCluster(CONFIG, num_prefill=1, num_decode=1, spawn=True)
+    cluster.coordinator.tokenizer.encode = lambda text, **_: [1, 2, 3, 4, 5, 6]
+    server = ServerThread(create_app(cluster.coordinator, ServerSettings(api_key=KEY))).start()
+    with httpx.Client(base_url=server.url, timeout=10) as http:
+        yield cluster, http
+    server.stop()
+
+
+def serving(http: httpx.Client, pool: str) -> list[str]:
+    workers = http.get("/admin/pools", headers=AUTH).json()["workers"]
+    return [w["id"] for w in workers if w["pool"] == pool and w["state"] == "serving"]
+
+
+def test_admin_routes_need_the_key(cluster) -> None:
+    _, http = cluster
+    assert http.get("/admin/pools").status_code == 401
+    assert http.post("/admin/pools", json={"decode": 2}).status_code == 401
+    assert http.get("/admin/pools", headers={"Authorization": f"bearer {KEY}"}).status_code == 200
+
+
+def test_pools_grow_and_shrink_over_http(cluster) -> None:
+    fakes, http = cluster
+    view = http.get("/admin/pools", headers=AUTH).json()
+    assert sorted((w["id"], w["pool"], w["state"]) for w in view["workers"]) == [
+        ("decode-0", "decode", "serving"),
+        ("prefill-0", "prefill", "serving"),
+    ]
+    assert http.post("/admin/pools", json={"decode": 2}, headers=AUTH).status_code == 200
+    assert wait_until(lambda: len(serving(http, "decode")) == 2, timeout=5)
+    body = {"prompt": [1, 2, 3, 4, 5, 6], "max_tokens": 8, "temperature": 0}
+    for _ in range(3):
+        reply = http.post("/v1/completions", json=body, headers=AUTH)
+        assert reply.status_code == 200, reply.text
+        assert reply.json()["usage"]["completion_tokens"] == 8
+    assert http.post("/admin/pools", json={"decode": 1}, headers=AUTH).status_code == 200
+    assert wait_until(lambda: len(serving(http, "decode")) == 1, timeout=5)
+    assert serving(http, "decode") == ["decode-0"]  # the newest leaves first
+    metrics = http.get("/metrics").text
+    assert 'tandem:pool_workers{model="fake",pool="decode",state="serving"} 1.0' in metrics
+    assert 'tandem:worker_restarts_total{model="fake",pool="decode"} 0.0' in metrics
+    assert http.get("/ready").status_code == 200
+    assert fakes.spawned == ["decode-new0"]
+
+
+def test_drain_and_its_errors(cluster) -> None:
+    _, http = cluster
+    http.post("/admin/pools", json={"decode": 2}, headers=AUTH)
+    assert wait_until(lambda: len(serving(http, "decode")) == 2, timeout=5)
+    drained = http.post("/admin/workers/decode-0/drain", headers=AUTH)
+    assert drained.status_code == 200
+    assert wait_until(lambda: serving(http, "decode") == ["decode-new0"], timeout=5)
+    missing = http.post("/admin/workers/nobody/drain", headers=AUTH)
+    assert missing.status_code == 404 and missing.json()["error"]["code"] == "worker_not_found"
+    for bad in ({"decode": 0}, {}, {"bogus": 1}, {"decode": -1}):
+        reply = http.post("/admin/pools", json=bad, headers=AUTH)
+        assert reply.status_code == 400, (bad, reply.text)
+        assert set(reply.json()["error"]) == {"message", "type", "param", "code"}
+
+
+def test_a_thousand_readiness_probes_start_nothing(cluster) -> None:
+    _, http = cluster
+    assert http.get("/ready").status_code == 200
+    time.sleep(0.1)
+    threads = threading.active_count()
+    for _ in range(1000):
+        assert http.get("/ready").status_code == 200
+    assert threading.active_count() == threads
+    assert OUTPUT  # the fake workers' script is loaded

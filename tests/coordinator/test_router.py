@@ -1,0 +1,154 @@
+"""Router: which workers a prompt goes to, and the loads it keeps (blocks of 4 tokens)."""
+
+from __future__ import annotations
+
+import pytest
+
+from coordinator.router import (
+    PREFILL_LOAD_BUCKET,
+    REMEMBERED_PREFIXES,
+    NoWorkerError,
+    Route,
+    Router,
+    prefix_hashes,
+)
+
+BLOCK = 4
+PROMPT_A = list(range(100, 112))  # three full blocks
+PROMPT_B = list(range(200, 212))
+
+
+def make_router(num_prefill: int = 2, num_decode: int = 2, local_threshold: int = 0) -> Router:
+    prefill = [f"p{i}" for i in range(num_prefill)]
+    decode = [f"d{i}" for i in range(num_decode)]
+    return Router(prefill, decode, BLOCK, local_threshold)
+
+
+def test_prefix_hashes_cover_full_blocks_and_chain() -> None:
+    assert len(prefix_hashes(list(range(9)), BLOCK)) == 2
+    assert prefix_hashes([1, 2, 3], BLOCK) == []
+    same_tail_a = prefix_hashes([1, 1, 1, 1, 5, 6, 7, 8], BLOCK)
+    same_tail_b = prefix_hashes([2, 2, 2, 2, 5, 6, 7, 8], BLOCK)
+    assert same_tail_a[1] != same_tail_b[1]  # a block's hash depends on what came before
+    assert prefix_hashes([1, 1, 1, 1, 9], BLOCK) == same_tail_a[:1]
+
+
+def test_decode_prefers_fewest_running() -> None:
+    router = make_router()
+    first = router.route(PROMPT_A)
+    router.placed(first, PROMPT_A)
+    second = router.route(PROMPT_A)  # d0 holds the prefix, but d1 runs nothing
+    assert (first.decode_id, second.decode_id) == ("d0", "d1")
+
+
+def test_decode_then_prefers_most_free_blocks() -> None:
+    router = make_router()
+    router.observe("d0", 10)
+    router.observe("d1", 50)
+    assert router.route(PROMPT_A).decode_id == "d1"
+    router.placed(Route("d0", None), PROMPT_B)
+    router.placed(Route("d1", None), PROMPT_B)
+    router.placed(Route("d1", None), PROMPT_B)
+    assert router.route(PROMPT_A).decode_id == "d0"  # running counts before free blocks
+
+
+def test_decode_then_prefers_longest_prefix_overlap() -> None:
+    router = make_router(num_decode=3)
+    for decode_id, shared_blocks in (("d0", 1), ("d1", 2), ("d2", 0)):
+        seen = PROMPT_A[: shared_blocks * BLOCK] + [0] * BLOCK
+        route = Route(decode_id, None)
+        router.placed(route, seen)
+        router.finished(route)
+    assert router.route(PROMPT_A).decode_id == "d1"
+    assert router.route(PROMPT_B).decode_id == "d0"  # no overlap anywhere: the first
+
+
+def test_prefill_prefers_lighter_queue_bucket_over_overlap() -> None:
+    router = make_router(num_decode=1)
+    router.placed(Route("d0", "p0"), PROMPT_A)  # p0 now holds PROMPT_A's prefix
+    router.finished(Route("d0", "p0"))
+    assert router.route(PROMPT_A).prefill_id == "p0"  # same bucket: overlap decides
+    router.prefill["p0"].queued_tokens = PREFILL_LOAD_BUCKET
+    assert router.route(PROMPT_A).prefill_id == "p1"  # a bucket more queued: overlap loses
+    router.prefill["p0"].queued_tokens = PREFILL_LOAD_BUCKET - 1
+    router.prefill["p1"].queued_tokens = 0
+    assert router.route(PROMPT_A).prefill_id == "p0"  # near-equal loads count as equal
+
+
+def test_short_uncached_prompt_prefills_on_the_decode_worker() -> None:
+    router = make_router(num_decode=1, local_threshold=8)
+    assert router.route(list(range(7))) == Route("d0", None)
+    assert router.route(list(range(8))) == Route("d0", "p0")
+    router.placed(Route("d0", "p0"), list(range(8)))
+    # The decode worker holds both blocks: one new token to prefill, so it does it itself.
+    assert router.route(list(range(9))) == Route("d0", None)
+
+
+def test_threshold_zero_never_prefills_locally() -> None:
+    router = make_router(num_decode=1, local_threshold=0)
+    assert router.route([7]) == Route("d0", "p0")
+
+
+def test_dead_workers_are_skipped() -> None:
+    router = make_router()
+    router.placed(Route("d1", "p1"), PROMPT_B)  # d1 busier, but d0 is the one that dies
+    router.mark_dead("d0")
+    router.mark_dead("p0")
+    assert router.route(PROMPT_A) == Route("d1", "p1")
+    assert (router.is_alive("d0"), router.is_alive("p0"), router.is_alive("d1")) == (
+        False, False, True
+    )  # fmt: skip
+    assert not router.is_alive("nobody")
+
+
+def test_all_decode_workers_dead_raises() -> None:
+    router = make_router()
+    router.mark_dead("d0")
+    router.mark_dead("d1")
+    with pytest.raises(NoWorkerError, match="no live decode worker"):
+        router.route(PROMPT_A)
+
+
+def test_all_prefill_workers_dead_falls_back_to_local_prefill() -> None:
+    router = make_router(local_threshold=0)
+    router.mark_dead("p0")
+    router.mark_dead("p1")
+    assert router.route(PROMPT_A) == Route("d0", None)
+
+
+def test_placed_prefilled_finished_bookkeeping() -> None:
+    router = make_router()
+    remote = Route("d0", "p1")
+    router.placed(remote, PROMPT_A)
+    router.placed(Route("d0", None), PROMPT_B)
+    assert router.decode["d0"].running == 2
+    assert router.prefill["p1"].queued_tokens == len(PROMPT_A)
+    assert router.prefill["p0"].queued_tokens == 0  # a local prefill queues nothing remotely
+    router.prefilled(remote, len(PROMPT_A))
+    assert router.prefill["p1"].queued_tokens == 0
+    router.prefilled(remote, len(PROMPT_A))
+    assert router.prefill["p1"].queued_tokens == 0  # never negative
+    router.finished(remote)
+    router.finished(remote)
+    router.finished(remote)
+    assert router.decode["d0"].running == 0  # never negative
+
+
+def test_observe_sets_free_blocks_of_the_named_worker_only() -> None:
+    router = make_router()
+    router.observe("d1", 7)
+    router.observe("p0", 3)
+    router.observe("unknown", 99)
+    free = {w: load.free_blocks for w, load in {**router.prefill, **router.decode}.items()}
+    assert free == {"p0": 3, "p1": 0, "d0": 0, "d1": 7}
+
+
+def test_prefix_memory_is_bounded() -> None:
+    router = Router(["p0"], ["d0"], 1, 0)
+    prompt = list(range(REMEMBERED_PREFIXES + 100))
+    router.placed(Route("d0", "p0"), prompt)
+    hashes = prefix_hashes(prompt, 1)
+    for load in (router.decode["d0"], router.prefill["p0"]):
+        assert len(load.prefixes) == REMEMBERED_PREFIXES
+        assert load.overlap(hashes[100:]) == REMEMBERED_PREFIXES  # the newest are kept
+        assert load.overlap(hashes) == 0  # the oldest went first

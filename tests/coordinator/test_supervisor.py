@@ -1,0 +1,189 @@
+"""The Supervisor against fake workers: hung and dead workers leave routing within a bound and
+their requests resume elsewhere with no token lost or repeated; replacements join; pools grow,
+shrink and drain; readiness only reads state."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable, Coroutine
+
+import pytest
+
+import coordinator.coordinator as coordinator_module
+from coordinator.coordinator import CoordinatorConfig
+from coordinator.supervisor import SupervisorConfig
+from protocol.sampling import SamplingParams
+from tests.support.fake_workers import OUTPUT, FakeCluster
+
+SUPERVISION = SupervisorConfig(
+    probe_interval=0.02, probe_timeout=0.05, max_probe_failures=2, restart_backoff=0.01
+)
+CONFIG = CoordinatorConfig(
+    block_size=4, call_timeout=1.0, prefill_base_timeout=30.0, supervision=SUPERVISION
+)
+PROMPT = [1, 2, 3, 4, 5, 6]
+GREEDY = SamplingParams(max_tokens=8, temperature=0)
+
+
+@pytest.fixture(autouse=True)
+def killed(monkeypatch: pytest.MonkeyPatch) -> list[object]:
+    monkeypatch.setattr(coordinator_module, "POLL_SECONDS", 0.02)
+    monkeypatch.setattr(coordinator_module, "STATS_SECONDS", 0.02)
+    monkeypatch.setattr(coordinator_module, "STATS_TIMEOUT", 0.05)
+    handles: list[object] = []
+    monkeypatch.setattr("ray.kill", handles.append)
+    return handles
+
+
+def run(coro: Coroutine) -> None:
+    asyncio.run(asyncio.wait_for(coro, 10.0))
+
+
+async def tokens_of(coordinator, request_id: str = "req-0") -> list[int]:
+    return [
+        t async for out in coordinator.generate(PROMPT, GREEDY, request_id)
+        for t in out.delta_token_ids
+    ]  # fmt: skip
+
+
+async def until(condition: Callable[[], bool], timeout: float = 3.0) -> float:
+    """Seconds until `condition` held (fails the test past `timeout`)."""
+    start = time.monotonic()
+    while not condition():
+        assert time.monotonic() - start < timeout, "condition never held"
+        await asyncio.sleep(0.005)
+    return time.monotonic() - start
+
+
+def test_frozen_prefill_worker_leaves_and_its_request_resumes_elsewhere(killed) -> None:
+    async def main() -> None:
+        cluster = FakeCluster(CONFIG, num_prefill=2, spawn=True)
+        async with cluster.running() as coordinator:
+            cluster.prefiller("prefill-0").frozen = True  # SIGSTOP: no call answers
+            started = time.monotonic()
+            assert await tokens_of(coordinator) == OUTPUT[:8]  # exact, none repeated or lost
+            assert time.monotonic() - started < 2.0  # not the prefill deadline (30 s)
+            assert not coordinator.router.is_alive("prefill-0")
+            assert cluster.prefill["prefill-0"] in killed
+            # A replacement joins the pool and the server is whole again.
+            await until(lambda: len(coordinator.supervisor.serving("prefill")) == 2)
+            assert cluster.spawned == ["prefill-new0"]
+            assert coordinator.supervisor.restarts() == {"prefill": 1, "decode": 0}
+            assert coordinator.readiness() is None
+
+    run(main())
+
+
+def test_dead_decode_worker_is_replaced_and_requests_continue(killed) -> None:
+    async def main() -> None:
+        cluster = FakeCluster(CONFIG, num_prefill=1, num_decode=2, spawn=True)
+        cluster.decoder("decode-0").stall_after = 3  # decode-0 holds req-0 after 3 tokens
+        async with cluster.running() as coordinator:
+            stream = coordinator.generate(PROMPT, GREEDY, "req-0")
+            seen = []
+            async for out in stream:
+                seen.extend(out.delta_token_ids)
+                if len(seen) == 3:
+                    cluster.decode["decode-0"].dead = True  # kill -9
+                    break
+            rest = [t async for out in stream for t in out.delta_token_ids]
+            assert seen + rest == OUTPUT[:8]
+            assert cluster.decode["decode-1"].ids("reserve") == ["req-0#2"]
+            await until(lambda: len(coordinator.supervisor.serving("decode")) == 2)
+            assert "decode-new0" in coordinator.decode
+            assert coordinator.readiness() is None
+
+    run(main())
+
+
+def test_detection_time_of_a_frozen_decode_worker(killed) -> None:
+    async def main() -> None:
+        cluster = FakeCluster(CONFIG, num_decode=2)
+        async with cluster.running() as coordinator:
+            cluster.decoder("decode-1").frozen = True
+            took = await until(lambda: not coordinator.router.is_alive("decode-1"))
+            bound = SUPERVISION.probe_interval + 2 * SUPERVISION.probe_timeout
+            assert took < bound + 0.5
+            # No spawner: the pool stays short, but one decode worker still serves.
+            assert coordinator.readiness() is None
+            cluster.decode["decode-0"].dead = True
+            await until(lambda: coordinator.readiness() is not None)
+            assert "no decode worker" in coordinator.readiness()
+
+    run(main())
+
+
+def test_scale_up_then_drain_back(killed) -> None:
+    async def main() -> None:
+        cluster = FakeCluster(CONFIG, num_prefill=1, num_decode=1, spawn=True)
+        async with cluster.running() as coordinator:
+            coordinator.scale({"decode": 2})
+            await until(lambda: len(coordinator.supervisor.serving("decode")) == 2)
+            results = await asyncio.gather(*(tokens_of(coordinator, f"req-{i}") for i in range(4)))
+            assert results == [OUTPUT[:8]] * 4
+            assert cluster.decode["decode-new0"].ids("reserve")  # the new worker got work
+            coordinator.scale({"decode": 1})
+            await until(lambda: len(coordinator.supervisor.serving("decode")) == 1)
+            await until(lambda: "decode-new0" not in coordinator.supervisor.workers)
+            assert cluster.decode["decode-new0"] in killed
+            assert coordinator.supervisor.restarts()["decode"] == 0  # growth is no restart
+            assert await tokens_of(coordinator, "after") == OUTPUT[:8]
+
+    run(main())
+
+
+def test_drain_lets_running_requests_finish(killed) -> None:
+    async def main() -> None:
+        cluster = FakeCluster(CONFIG, num_prefill=1, num_decode=2)
+        cluster.decoder("decode-0").batch = 1
+        async with cluster.running() as coordinator:
+            stream = coordinator.generate(PROMPT, GREEDY, "req-0")
+            first = await stream.__anext__()
+            coordinator.drain("decode-0")
+            assert coordinator.router.decode["decode-0"].accepting is False
+            rest = [t async for out in stream for t in out.delta_token_ids]
+            assert first.delta_token_ids + rest == OUTPUT[:8]
+            assert cluster.decode["decode-0"].ids("reserve") == ["req-0#1"]  # never moved
+            await until(lambda: "decode-0" not in coordinator.supervisor.workers)
+            assert await tokens_of(coordinator, "next") == OUTPUT[:8]
+            assert cluster.decode["decode-1"].ids("reserve") == ["next#1"]
+
+    run(main())
+
+
+def test_readiness_reads_state_only(killed) -> None:
+    async def main() -> None:
+        cluster = FakeCluster(CONFIG)
+        assert cluster.coordinator.readiness() == "the workers are still starting"
+        async with cluster.running() as coordinator:
+            await asyncio.sleep(0.05)
+            tasks = len(asyncio.all_tasks())
+            calls = sum(len(h.calls) for h in (*cluster.prefill.values(), *cluster.decode.values()))
+            for _ in range(1000):
+                assert coordinator.readiness() is None
+                await coordinator.ready()  # repeated: starts nothing new
+            assert len(asyncio.all_tasks()) == tasks
+            ping_calls = [len(h.calls["ping"]) for h in cluster.decode.values()]
+            assert ping_calls == [1]
+            assert calls >= 0
+
+    run(main())
+
+
+def test_a_frozen_worker_does_not_freeze_stats(killed) -> None:
+    async def main() -> None:
+        cluster = FakeCluster(
+            CoordinatorConfig(block_size=4, supervision=SupervisorConfig(probe_interval=60.0)),
+            num_prefill=2,
+        )
+        async with cluster.running() as coordinator:
+            cluster.prefiller("prefill-1").frozen = True
+            cluster.decoder().free_blocks = 7
+            await until(lambda: any(s.stale for s in coordinator.stats()))
+            # The others keep reporting while prefill-1 keeps its last (stale) report.
+            await until(lambda: any(s.num_free_blocks == 7 for s in coordinator.stats()))
+            stale = {s.worker: s.stale for s in coordinator.stats()}
+            assert stale == {"prefill-0": False, "prefill-1": True, "decode-0": False}
+
+    run(main())

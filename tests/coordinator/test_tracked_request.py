@@ -1,0 +1,164 @@
+"""TrackedRequest: output kept by position across workers and retries (fake tokenizer: token n
+decodes to one letter, 10 -> "k", 11 -> "l", ...)."""
+
+from __future__ import annotations
+
+import asyncio
+
+from coordinator.request_state import TrackedRequest
+from engine.outputs import RequestOutput, StreamFailed
+from protocol.errors import EngineDeadError
+from protocol.messages import TokenUpdate, WorkRequest
+from protocol.sampling import FinishReason, SamplingParams, TokenLogprobs
+from tests.support.fake_workers import FakeTokenizer
+
+PROMPT = [1, 2, 3]
+
+
+def tracked(params: SamplingParams | None = None) -> TrackedRequest:
+    request = TrackedRequest("r", PROMPT, params or SamplingParams(), FakeTokenizer())  # type: ignore[arg-type]
+    request.next_attempt()
+    return request
+
+
+def update(
+    first_index: int,
+    token_ids: list[int],
+    finish: FinishReason | None = None,
+    logprobs: list[TokenLogprobs | None] | None = None,
+    **fields: object,
+) -> TokenUpdate:
+    logprobs = logprobs or [None] * len(token_ids)
+    return TokenUpdate("r#1", first_index, token_ids, logprobs, finish, **fields)  # type: ignore[arg-type]
+
+
+def drain(request: TrackedRequest) -> list[RequestOutput | StreamFailed]:
+    items = []
+    while not request.stream.empty():
+        items.append(request.stream.get_nowait())
+    return items
+
+
+def test_first_token_then_the_decode_workers_copy_of_it() -> None:
+    request = tracked()
+    request.accept_first(0, 10, None)
+    assert request.accept(update(0, [10, 11])) is False
+    first, second = drain(request)
+    assert (first.delta_token_ids, first.delta_text) == ([10], "k")
+    assert (second.delta_token_ids, second.delta_text, second.token_ids) == ([11], "l", [10, 11])
+    assert request.output_ids == [10, 11]
+
+
+def test_repeated_batch_is_dropped() -> None:
+    request = tracked()
+    request.accept(update(0, [10, 11]))
+    request.accept(update(0, [10, 11]))
+    request.accept(update(1, [11, 12]))
+    assert [o.delta_token_ids for o in drain(request)] == [[10, 11], [12]]
+    assert request.output_ids == [10, 11, 12]
+
+
+def test_finish_reported_with_tokens_already_seen_still_finishes() -> None:
+    request = tracked()
+    request.accept(update(0, [10, 11]))
+    request.accept(update(0, [10, 11], FinishReason.LENGTH))
+    _, last = drain(request)
+    assert (last.delta_token_ids, last.token_ids, last.finish_reason) == ([], [10, 11], "length")
+    assert request.finished
+    assert request.ended.is_set()
+
+
+def test_first_token_at_the_wrong_position_or_after_the_end_is_ignored() -> None:
+    request = tracked()
+    request.accept_first(1, 11, None)  # position 0 has not arrived
+    assert drain(request) == []
+    request.accept(update(0, [10], FinishReason.STOP, stop_token_id=10))
+    drain(request)
+    request.accept_first(1, 11, None)
+    assert drain(request) == []
+    assert request.output_ids == [10]
+
+
+def test_gap_loses_the_request() -> None:
+    request = tracked()
+    request.accept(update(0, [10]))
+    drain(request)
+    assert request.accept(update(2, [12, 13])) is False
+    assert request.lost_reason == "token 1 never arrived"
+    assert request.ended.is_set()
+    assert not request.finished
+    assert drain(request) == []
+    assert request.output_ids == [10]
+
+
+def test_next_attempt_has_a_new_id_and_carries_the_output() -> None:
+    params = SamplingParams(max_tokens=8)
+    request = TrackedRequest("r", PROMPT, params, FakeTokenizer())  # type: ignore[arg-type]
+    assert request.next_attempt() == WorkRequest("r#1", PROMPT, params, [])
+    request.accept(update(0, [10, 11]))
+    request.lose("worker died")
+    work = request.next_attempt()
+    assert work == WorkRequest("r#2", PROMPT, params, [10, 11])
+    assert request.worker_request_id == "r#2"
+    assert (request.lost_reason, request.ended.is_set()) == (None, False)
+    request.accept(update(2, [12]))
+    assert work.output_ids == [10, 11]  # the attempt's copy, not the live list
+
+
+def test_lose_after_finish_changes_nothing() -> None:
+    request = tracked()
+    request.accept(update(0, [10], FinishReason.LENGTH))
+    request.lose("late failure")
+    assert request.lost_reason is None
+
+
+def test_stop_string_hit_returns_true_and_trims_the_text() -> None:
+    request = tracked(SamplingParams(stop=("mn",)))
+    assert request.accept(update(0, [10, 11, 12])) is False
+    assert request.accept(update(3, [13, 14])) is True
+    outputs = drain(request)
+    assert "".join(o.delta_text for o in outputs) == "kl"
+    assert (outputs[-1].text, outputs[-1].finish_reason, outputs[-1].stop_reason) == (
+        "kl", "stop", "mn"
+    )  # fmt: skip
+    assert request.finished
+    assert request.ended.is_set()
+
+
+def test_logprobs_follow_the_tokens_kept() -> None:
+    request = tracked(SamplingParams(logprobs=0))
+    first, copy, second = TokenLogprobs(-0.1, []), TokenLogprobs(-9.0, []), TokenLogprobs(-0.2, [])
+    request.accept_first(0, 10, first)
+    request.accept(update(0, [10, 11], logprobs=[copy, second]))
+    assert drain(request)[-1].logprobs == [first, second]
+
+
+def test_queue_time_and_cached_tokens_reach_the_output() -> None:
+    request = tracked()
+    request.accept(update(0, [10], queue_seconds=0.5, num_cached_tokens=2))
+    request.accept(update(1, [11], queue_seconds=9.0, num_cached_tokens=1))
+    outputs = drain(request)
+    assert [o.queue_seconds for o in outputs] == [0.5, 0.5]  # the first worker's queue time
+    assert [o.num_cached_tokens for o in outputs] == [2, 2]  # never goes down
+
+
+def test_fail_puts_the_error_on_the_stream() -> None:
+    request = tracked()
+    err = EngineDeadError("every retry failed")
+    request.fail(err)
+    [item] = drain(request)
+    assert isinstance(item, StreamFailed)
+    assert item.error is err
+    assert request.ended.is_set()
+
+
+def test_ended_wakes_a_waiter() -> None:
+    async def main() -> str | None:
+        request = tracked()
+        waiter = asyncio.create_task(request.ended.wait())
+        await asyncio.sleep(0)
+        request.accept(update(1, [11]))  # a gap
+        await asyncio.wait_for(waiter, 1.0)
+        return request.lost_reason
+
+    assert asyncio.run(main()) == "token 0 never arrived"
