@@ -97,11 +97,12 @@ class DecodeProcess:
 
 def _decode_main(config: EngineConfig, transport_name: str, raw_bytes: int, conn) -> None:
     from decode.worker import DecodeWorker
+    from engine.engine import LLMEngine
     from kvtransfer.transport import Rendezvous, make_transport
 
     torch.set_num_threads(1)
     transport = make_transport(transport_name, torch.device("cpu"))
-    decode = DecodeWorker("d-bench", config, transport, TIMEOUT)
+    decode = DecodeWorker("d-bench", LLMEngine(config), transport, TIMEOUT)
     rendezvous = Rendezvous("127.0.0.1")
     target = torch.empty(raw_bytes // 4)
     raw = {}
@@ -145,8 +146,8 @@ def measure_transfer(model: Path, prompt_len: int, repeats: int, transport_name:
     raw_bytes = alone_engine.kv_layout.bytes_for(prompt_len)
     decode = DecodeProcess(config, transport_name, raw_bytes)
     prefills = {
-        "serialized": PrefillWorker("p-serialized", config, transport, TIMEOUT, False),
-        "pipelined": PrefillWorker("p-pipelined", config, transport, TIMEOUT, True),
+        "serialized": PrefillWorker("p-serialized", LLMEngine(config), transport, TIMEOUT, False),
+        "pipelined": PrefillWorker("p-pipelined", LLMEngine(config), transport, TIMEOUT, True),
     }
     rows: dict[str, list] = {"alone": [], "serialized": [], "pipelined": [], "raw": []}
     try:

@@ -9,7 +9,7 @@ import os
 import sys
 from collections.abc import Callable, Sequence
 
-from cli import generate, serve
+from cli import generate, pool, serve
 from cli.errors import CliError
 from loadtest import cli as bench_cli
 from loadtest.errors import BenchError
@@ -31,6 +31,7 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_parser(commands)
     bench_cli.add_parser(commands)
     serve.add_parser(commands)
+    pool.add_parser(commands)
     return parser
 
 

@@ -1,8 +1,9 @@
 """build_client: turns a deployment config into a running backend (the one place that decides
 where workers go).
 
-    disaggregated: `num_prefill` PrefillActors + `num_decode` DecodeActors -> Coordinator
-    colocated:     `num_prefill + num_decode` DecodeActors that prefill everything locally
+    disaggregated: `num_prefill` + `num_decode` WorkerActors in those roles -> Coordinator
+    colocated:     `num_prefill + num_decode` decode-role WorkerActors that prefill everything
+                   locally
                    (the same total resources, for comparisons)
 
 Placement: on CUDA one GPU per worker; on CPU one Ray CPU each (a share of one when the cluster
@@ -99,18 +100,15 @@ class WorkerSpawner:
         The handle answers once the worker has loaded its model."""
         # The actor classes load torch and the model stack: imported here, where workers are
         # placed, so the coordinator process itself never loads them.
-        from decode.actor import DecodeActor
-        from prefill.actor import PrefillActor
+        from worker.actor import WorkerActor
 
         index = self._next_index.get(pool, 0)
         self._next_index[pool] = index + 1
         worker_id = f"{pool}-{index}"
         args = (worker_id, self.engine, self.deploy.kv_transport, self.deploy.transfer_timeout)
         options = self._options(None if pool == "colocated" else pool)
-        if pool == "prefill":
-            handle = ray.remote(PrefillActor).options(**options).remote(*args, self.threads)
-        else:  # host None: the node's own address
-            handle = ray.remote(DecodeActor).options(**options).remote(*args, self.threads, None)
+        role = "prefill" if pool == "prefill" else "decode"
+        handle = ray.remote(WorkerActor).options(**options).remote(*args, self.threads, role)
         return worker_id, handle
 
     def check_room(self) -> None:

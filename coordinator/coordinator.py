@@ -67,8 +67,8 @@ class Coordinator:
         max_model_len: int,
         vocab_size: int,
         eos_ids: frozenset[int],
-        prefill: dict[str, Any],  # worker id -> PrefillActor handle
-        decode: dict[str, Any],  # worker id -> DecodeActor handle
+        prefill: dict[str, Any],  # worker id -> WorkerActor handle (prefill role)
+        decode: dict[str, Any],  # worker id -> WorkerActor handle (decode role)
         config: CoordinatorConfig,
         spawn: Spawn | None = None,  # starts a worker of a pool: replacements, growth
         decode_pool: str = "decode",  # "colocated" when the decode workers prefill everything
@@ -95,6 +95,7 @@ class Coordinator:
         self._requests: dict[str, TrackedRequest] = {}  # by worker request id
         self._stats: dict[str, WorkerStats] = {}
         self._tasks: set[asyncio.Task] = set()
+        self._pollers: dict[str, asyncio.Task] = {}  # decode worker id -> its long-poll loop
         self._ids = itertools.count()
         self._started: asyncio.Future | None = None
         self._closing = False
@@ -116,7 +117,7 @@ class Coordinator:
         self.max_model_len = min([self.max_model_len, *limits])
         self.limits = ModelLimits(self.max_model_len, self.vocab_size)
         for decode_id in self.decode:
-            self._background(self._poll(decode_id))
+            self._start_polling(decode_id)
         self._background(self._refresh_stats())
         self.supervisor.start()
         await self._refresh_once()
@@ -168,6 +169,36 @@ class Coordinator:
     def drain(self, worker_id: str) -> None:
         """KeyError for an unknown worker."""
         self.supervisor.drain(worker_id)
+
+    async def switch_role(self, worker_id: str, role: str) -> float:
+        """Moves a worker to the other pool without reloading its model: it stops taking
+        requests, the requests it holds are placed again elsewhere (decodes resume from the
+        tokens already streamed), and it rejoins in its new role. Returns the seconds until it
+        was routable again. KeyError for an unknown worker, PoolError for a switch that would
+        empty a pool or where roles are fixed."""
+        entry = self.supervisor.workers[worker_id]
+        if entry.pool == role:
+            return 0.0
+        if {entry.pool, role} != {"prefill", "decode"}:
+            raise PoolError(f"a {entry.pool} worker cannot become a {role} worker")
+        if entry.pool == "decode" and len(self.supervisor.serving("decode")) < 2:
+            raise PoolError("the decode pool would be empty")
+        started = time.monotonic()
+        self.supervisor.begin_switch(worker_id)
+        self._worker_left(entry, "switching role")
+        poller = self._pollers.pop(worker_id, None)
+        if poller is not None:
+            poller.cancel()
+        try:
+            await self._call(entry.handle.set_role, role)
+        except Exception as err:
+            self.supervisor.report_dead(worker_id, f"role switch failed: {_brief(err)}")
+            raise
+        self.router.remove(worker_id)
+        (self.prefill if entry.pool == "prefill" else self.decode).pop(worker_id, None)
+        self.supervisor.end_switch(worker_id, role)
+        self._worker_joined(entry, self.max_model_len)
+        return time.monotonic() - started
 
     async def generate(
         self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None
@@ -352,6 +383,12 @@ class Coordinator:
             self.router.set_accepting(entry.worker_id, False)
             return
         self.router.mark_dead(entry.worker_id)
+        if reason != "switching role":
+            self.prefill.pop(entry.worker_id, None)
+            self.decode.pop(entry.worker_id, None)
+        poller = self._pollers.pop(entry.worker_id, None)
+        if poller is not None:
+            poller.cancel()
         self._stats.pop(entry.worker_id, None)
         for request in list(self._requests.values()):
             route = request.route
@@ -364,7 +401,7 @@ class Coordinator:
         (self.prefill if pool == "prefill" else self.decode)[entry.worker_id] = entry.handle
         self.router.add_worker(pool, entry.worker_id)
         if pool == "decode":
-            self._background(self._poll(entry.worker_id))
+            self._start_polling(entry.worker_id)
 
     def _in_use(self, worker_id: str) -> int:
         return sum(
@@ -399,10 +436,14 @@ class Coordinator:
             if isinstance(result, RayActorError):
                 self._note_failure(worker_id, result)
 
-    def _background(self, coro: Coroutine) -> None:
+    def _start_polling(self, decode_id: str) -> None:
+        self._pollers[decode_id] = self._background(self._poll(decode_id))
+
+    def _background(self, coro: Coroutine) -> asyncio.Task:
         task = asyncio.ensure_future(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+        return task
 
     async def _call(self, method, *args: Any, timeout: float | None = None) -> Any:
         return await asyncio.wait_for(

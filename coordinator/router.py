@@ -105,13 +105,14 @@ class Router:
         self.finished(route)
 
     def prefilled(self, route: Route, num_tokens: int) -> None:
-        if route.prefill_id is not None:
-            load = self.prefill[route.prefill_id]
+        load = self.prefill.get(route.prefill_id) if route.prefill_id is not None else None
+        if load is not None:  # (a worker that left, or changed pools, has no load here)
             load.queued_tokens = max(0, load.queued_tokens - num_tokens)
 
     def finished(self, route: Route) -> None:
-        load = self.decode[route.decode_id]
-        load.running = max(0, load.running - 1)
+        load = self.decode.get(route.decode_id)
+        if load is not None:
+            load.running = max(0, load.running - 1)
 
     def observe(self, worker_id: str, free_blocks: int) -> None:
         """Records a worker's latest free KV block count."""
@@ -133,6 +134,11 @@ class Router:
         for pool in (self.prefill, self.decode):
             if worker_id in pool:
                 pool[worker_id].accepting = accepting
+
+    def remove(self, worker_id: str) -> None:
+        """Forgets a worker (it left, or moves to the other pool)."""
+        self.prefill.pop(worker_id, None)
+        self.decode.pop(worker_id, None)
 
     def add_worker(self, pool: str, worker_id: str) -> None:
         """A worker that joined a pool at run time ("prefill", or "decode" for the rest)."""

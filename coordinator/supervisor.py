@@ -198,6 +198,16 @@ class Supervisor:
             self.pools[entry.pool].target -= 1
         self._fill(entry.pool, replacing=replace)
 
+    def begin_switch(self, worker_id: str) -> None:
+        """The worker changes roles: out of probes and routing until end_switch."""
+        self.workers[worker_id].state = WorkerState.STARTING
+
+    def end_switch(self, worker_id: str, role: str) -> None:
+        entry = self.workers[worker_id]
+        self.pools[entry.pool].target -= 1
+        self.pools.setdefault(role, _PoolRecord(target=0)).target += 1
+        entry.pool, entry.state, entry.probe_failures = role, WorkerState.SERVING, 0
+
     def drain(self, worker_id: str) -> WorkerEntry:
         """Stops routing new requests to the worker; it leaves once nothing relies on it, and
         the pool shrinks by one (KeyError for an unknown worker)."""

@@ -11,7 +11,7 @@ freed and the coordinator hears of it.
 
 Threads: the engine thread owns the engine, the leases and the counters; the receiver thread
 hands each finished transfer to it with `submit`, and updates leave through `_updates` under
-its condition. A plain class (no Ray); `decode.actor` wraps it.
+its condition. A plain class (no Ray); `worker.actor` wraps it.
 """
 
 from __future__ import annotations
@@ -21,7 +21,6 @@ import time
 from concurrent.futures import Future
 
 from engine.block_manager import slots_of
-from engine.config import EngineConfig
 from engine.engine import LLMEngine
 from engine.engine_thread import EngineThread
 from kvtransfer.receiver import Arrived, KVReceiver, ReceiveEvent, TransferFailed
@@ -36,13 +35,15 @@ class DecodeWorker:
     def __init__(
         self,
         worker_id: str,
-        config: EngineConfig,
+        engine: LLMEngine,
         transport: Transport,
         transfer_timeout: float,
         host: str = "127.0.0.1",
     ) -> None:
+        """Serves `engine` (idle, owned by no thread yet) until shutdown(), which leaves it
+        idle again for another role."""
         self.worker_id = worker_id
-        self.engine = LLMEngine(config)
+        self.engine = engine
         self.transfer_timeout = transfer_timeout
         self.layout = self.engine.kv_layout
         self.rendezvous = Rendezvous(host)
@@ -94,7 +95,12 @@ class DecodeWorker:
         return self.thread.submit(self._stats)
 
     def shutdown(self) -> None:
+        """Stops serving: reservations and running requests are dropped (their KV blocks
+        freed), and the engine is left idle. Transfers still arriving are read and discarded."""
         self.thread.stop()
+        for request_id in self.engine.abort_all():
+            self.receiver.forget(request_id)
+        self._leases.clear()
 
     # -- engine thread ---------------------------------------------------------------------
 

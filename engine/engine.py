@@ -209,6 +209,13 @@ class LLMEngine:
             prefix_cache_hits=blocks.prefix_hits,
         )
 
+    def abort_all(self) -> list[str]:
+        """Stops every request and reservation here (a worker changing roles); their ids."""
+        request_ids = [*self.sequences, *self.reserved]
+        for request_id in request_ids:
+            self.abort(request_id)
+        return request_ids
+
     @property
     def has_unfinished(self) -> bool:
         """Work for `step()`: queued or running requests (reservations wait for their KV)."""

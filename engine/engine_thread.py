@@ -48,8 +48,12 @@ class EngineThread:
         future: Future = Future()
         if self.error is not None:
             future.set_exception(RuntimeError(f"engine thread crashed: {self.error}"))
+        elif self._stop.is_set():
+            future.set_exception(RuntimeError("engine thread stopped"))
         else:
             self._calls.put((future, fn, args))
+            if self._stop.is_set():  # stop() may have drained the queue just before the put
+                self._fail_pending(RuntimeError("engine thread stopped"))
         return future
 
     def health(self) -> EngineHealth:
@@ -62,8 +66,11 @@ class EngineThread:
         )
 
     def stop(self, timeout: float = 10.0) -> None:
+        """Stops the loop after the current step; calls not yet run fail (nothing waits on
+        them forever), and later submits fail at once."""
         self._stop.set()
         self._thread.join(timeout)
+        self._fail_pending(RuntimeError("engine thread stopped"))
 
     def _run(self) -> None:
         torch.set_num_threads(self._num_threads)

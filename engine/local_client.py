@@ -68,6 +68,10 @@ class LocalEngineClient:
     def drain(self, worker_id: str) -> None:
         self.scale({})
 
+    async def switch_role(self, worker_id: str, role: str) -> float:
+        self.scale({})
+        return 0.0
+
     def readiness(self) -> str | None:
         if not self._started:
             return "the engine has not started"

@@ -110,7 +110,10 @@ class KVReceiver:
         with self._lock:
             key = self._keys.get(prefill_id)
             if key is None:
-                key = f"{prefill_id}->{self.decode_id}#{next(self._generation)}"
+                # The rendezvous port names this receiver: a worker that left the decode role
+                # and came back has a new one, so a prefill worker never reuses an old channel.
+                port = self.rendezvous.endpoint.port
+                key = f"{prefill_id}->{self.decode_id}:{port}#{next(self._generation)}"
                 self._keys[prefill_id] = key
                 threading.Thread(
                     target=self._serve, args=(prefill_id, key), name=f"kv-recv-{key}", daemon=True

@@ -8,7 +8,7 @@
 
 Threads: the engine thread owns the engine and every field below; the sender thread reports a
 finished transfer by submitting `_transfer_finished` to the engine thread, never by touching
-state itself. A plain class (no Ray); `prefill.actor` wraps it.
+state itself. A plain class (no Ray); `worker.actor` wraps it.
 """
 
 from __future__ import annotations
@@ -22,7 +22,6 @@ from typing import NamedTuple
 import torch
 
 from engine.block_manager import slots_of
-from engine.config import EngineConfig
 from engine.engine import LLMEngine
 from engine.engine_thread import EngineThread
 from engine.scheduler import StepPlan
@@ -83,16 +82,18 @@ class PrefillWorker:
     def __init__(
         self,
         worker_id: str,
-        config: EngineConfig,
+        engine: LLMEngine,
         transport: Transport,
         transfer_timeout: float,
         pipeline_layers: bool = True,
     ) -> None:
-        """`pipeline_layers=False` holds every layer back until the step's forward pass ends
-        (send after prefill): the baseline that benchmarks/kv_transfer.py compares against."""
+        """Serves `engine` (idle, owned by no thread yet) until shutdown(), which leaves it
+        idle again for another role. `pipeline_layers=False` holds every layer back until the
+        step's forward pass ends (send after prefill): the baseline that
+        benchmarks/kv_transfer.py compares against."""
         self.worker_id = worker_id
         self.pipeline_layers = pipeline_layers
-        self.engine = LLMEngine(config)
+        self.engine = engine
         self.layout = self.engine.kv_layout
         self.sender = KVSender(transport, transfer_timeout, self._on_sent)
         self.transfers = TransferCounters(transport.name)
@@ -126,8 +127,11 @@ class PrefillWorker:
         return self.transfers.bytes
 
     def shutdown(self) -> None:
+        """Stops serving: every request still here fails, and the engine is left idle."""
         self.thread.stop()
         self.sender.close()
+        self._crashed(RuntimeError("the worker stopped serving"))
+        self.engine.abort_all()
 
     # -- engine thread ---------------------------------------------------------------------
 

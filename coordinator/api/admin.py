@@ -4,9 +4,12 @@ route but the probes.
     GET  /admin/pools                  every worker: pool, state, load; restarts per pool
     POST /admin/pools                  {"prefill": N, "decode": M}: grow or shrink (drains)
     POST /admin/workers/{id}/drain     no new requests; it leaves once its requests are done
+    POST /admin/workers/{id}/role      {"role": "prefill"|"decode"}: switch pools, same weights
 """
 
 from __future__ import annotations
+
+from typing import Literal
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
@@ -17,6 +20,11 @@ from coordinator.api.errors import ApiError, invalid
 from protocol.errors import PoolError
 
 router = APIRouter(prefix="/admin")
+
+
+class RoleChange(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    role: Literal["prefill", "decode"]
 
 
 class PoolSizes(BaseModel):
@@ -54,6 +62,18 @@ async def drain_worker(worker_id: str, request: Request) -> JSONResponse:
     except PoolError as err:
         raise invalid(str(err)) from err
     return JSONResponse(_view(ctx))
+
+
+@router.post("/workers/{worker_id}/role")
+async def switch_role(worker_id: str, body: RoleChange, request: Request) -> JSONResponse:
+    ctx = context_of(request)
+    try:
+        seconds = await ctx.client.switch_role(worker_id, body.role)
+    except KeyError:
+        raise ApiError(404, f"no worker {worker_id!r}", code="worker_not_found") from None
+    except PoolError as err:
+        raise invalid(str(err)) from err
+    return JSONResponse({**_view(ctx), "switch_seconds": seconds})
 
 
 def _view(ctx: ServerContext) -> dict:

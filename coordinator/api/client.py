@@ -48,6 +48,10 @@ class EngineClient(Protocol):
         """No new requests for the worker; it leaves once its requests are done (KeyError:
         no such worker; PoolError where pools are fixed)."""
 
+    async def switch_role(self, worker_id: str, role: str) -> float:
+        """Moves a worker between the prefill and decode pools without reloading its model;
+        the seconds until it is routable again (KeyError, PoolError as for drain)."""
+
     def readiness(self) -> str | None:
         """None while the backend can serve (every pool has a live worker), else why not.
         Reads state only: never waits on a worker, starts nothing."""

@@ -13,6 +13,7 @@ import pytest
 import coordinator.coordinator as coordinator_module
 from coordinator.coordinator import CoordinatorConfig
 from coordinator.supervisor import SupervisorConfig
+from protocol.errors import PoolError
 from protocol.sampling import SamplingParams
 from tests.support.fake_workers import OUTPUT, FakeCluster
 
@@ -185,5 +186,37 @@ def test_a_frozen_worker_does_not_freeze_stats(killed) -> None:
             await until(lambda: any(s.num_free_blocks == 7 for s in coordinator.stats()))
             stale = {s.worker: s.stale for s in coordinator.stats()}
             assert stale == {"prefill-0": False, "prefill-1": True, "decode-0": False}
+
+    run(main())
+
+
+def test_role_switch_moves_running_decodes_and_loses_nothing(killed) -> None:
+    async def main() -> None:
+        cluster = FakeCluster(CONFIG, num_prefill=1, num_decode=2)
+        cluster.decoder("decode-0").batch = 1
+        cluster.decoder("decode-1").batch = 1
+        async with cluster.running() as coordinator:
+            streams = [coordinator.generate(PROMPT, GREEDY, f"req-{i}") for i in range(4)]
+            firsts = [await s.__anext__() for s in streams]
+            on_d0 = [r for r in cluster.decode["decode-0"].ids("reserve")]
+            assert on_d0  # the burst spread over both decode workers
+            took = await coordinator.switch_role("decode-0", "prefill")
+            assert took < 0.3
+            assert sorted(w.worker_id for w in coordinator.supervisor.serving("prefill")) == [
+                "decode-0",
+                "prefill-0",
+            ]
+            for first, stream in zip(firsts, streams, strict=True):
+                rest = [t async for out in stream for t in out.delta_token_ids]
+                assert first.delta_token_ids + rest == OUTPUT[:8]  # exact: nothing lost
+            # The requests still running on decode-0 resumed on decode-1; decode-0 now prefills.
+            moved = {r for r in cluster.decode["decode-1"].ids("reserve") if r.endswith("#2")}
+            assert moved and moved <= {r.replace("#1", "#2") for r in on_d0}
+            assert await tokens_of(coordinator, "after") == OUTPUT[:8]
+            took = await coordinator.switch_role("decode-0", "decode")
+            assert [w.pool for w in coordinator.supervisor.workers.values()].count("decode") == 2
+            assert await tokens_of(coordinator, "back") == OUTPUT[:8]
+            with pytest.raises(PoolError):
+                await coordinator.switch_role("decode-1", "colocated")
 
     run(main())

@@ -8,6 +8,7 @@ import torch
 
 from decode.worker import DecodeWorker
 from engine.config import EngineConfig
+from engine.engine import LLMEngine
 from kvtransfer.transport import make_transport
 from prefill.worker import PrefillReport, PrefillWorker
 from protocol.messages import WorkRequest
@@ -17,8 +18,8 @@ from protocol.sampling import SamplingParams
 def test_layer_sends_overlap_the_compute_of_later_layers(smollm2) -> None:
     config = EngineConfig(smollm2, num_kv_blocks=128, max_num_batched_tokens=1024)
     transport = make_transport("gloo", torch.device("cpu"))
-    prefill = PrefillWorker("p-pipe", config, transport, 30.0)
-    decode = DecodeWorker("d-pipe", config, transport, 30.0)
+    prefill = PrefillWorker("p-pipe", LLMEngine(config), transport, 30.0)
+    decode = DecodeWorker("d-pipe", LLMEngine(config), transport, 30.0)
     try:
         prompt = [(31 * i) % 40000 + 100 for i in range(768)]
         request = WorkRequest("pipe", prompt, SamplingParams(max_tokens=2, temperature=0))

@@ -9,6 +9,7 @@ import torch
 
 from decode.worker import DecodeWorker
 from engine.config import EngineConfig
+from engine.engine import LLMEngine
 from kvtransfer.transport import make_transport
 from protocol.messages import WorkRequest
 from protocol.sampling import SamplingParams
@@ -19,7 +20,7 @@ GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
 def test_unclaimed_reservation_expires_and_frees_its_blocks(tiny_llama) -> None:
     config = EngineConfig(tiny_llama, dtype="float32", block_size=4, num_kv_blocks=64)
     transport = make_transport("gloo", torch.device("cpu"))
-    decode = DecodeWorker("d-lease", config, transport, transfer_timeout=0.5)
+    decode = DecodeWorker("d-lease", LLMEngine(config), transport, transfer_timeout=0.5)
     try:
         request = WorkRequest("orphan", list(range(3, 40)), GREEDY)
         ticket = decode.reserve(request, "p-never").result(60)

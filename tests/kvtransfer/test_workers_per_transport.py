@@ -11,6 +11,7 @@ import torch
 
 from decode.worker import DecodeWorker
 from engine.config import EngineConfig
+from engine.engine import LLMEngine
 from engine.llm import LLM
 from kvtransfer.transport import TransferError
 from prefill.worker import PrefillReport, PrefillWorker
@@ -34,8 +35,8 @@ def workers(request, tiny_llama):
     name = request.param
     transports = [transport_named(name), transport_named(name)]
     prefill_config = engine_config(tiny_llama, max_num_batched_tokens=32)
-    prefill = PrefillWorker(f"p-{name}", prefill_config, transports[0], 20)
-    decode = DecodeWorker(f"d-{name}", engine_config(tiny_llama), transports[1], 20)
+    prefill = PrefillWorker(f"p-{name}", LLMEngine(prefill_config), transports[0], 20)
+    decode = DecodeWorker(f"d-{name}", LLMEngine(engine_config(tiny_llama)), transports[1], 20)
     yield prefill, decode
     prefill.shutdown()
     decode.shutdown()
@@ -146,8 +147,8 @@ def test_a_link_broken_mid_transfer_fails_the_request_and_frees_both_sides(
 ) -> None:
     config = engine_config(tiny_llama, num_kv_blocks=64)
     transports = [transport_named(name), transport_named(name)]
-    prefill = PrefillWorker("p-flaky", config, BreaksAfter(transports[0], 3), 5.0)
-    decode = DecodeWorker("d-flaky", config, transports[1], transfer_timeout=5.0)
+    prefill = PrefillWorker("p-flaky", LLMEngine(config), BreaksAfter(transports[0], 3), 5.0)
+    decode = DecodeWorker("d-flaky", LLMEngine(config), transports[1], transfer_timeout=5.0)
     try:
         outcomes = run(prefill, decode, [WorkRequest("doomed", list(range(3, 40)), GREEDY)])
         assert "doomed" in outcomes.errors

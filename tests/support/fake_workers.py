@@ -58,11 +58,18 @@ class FakeMethod:
 class FakeHandle:
     def __init__(self, actor: FakePrefillActor | FakeDecodeActor) -> None:
         self.actor = actor
+        self.make_role: Callable[[str, str], Any] = _no_roles
         self.dead = False
         self.calls: dict[str, list[tuple]] = defaultdict(list)
 
     def __getattr__(self, name: str) -> FakeMethod:
+        if name == "set_role":  # the actor object changes; the handle (the process) stays
+            return FakeMethod(self, name, self._set_role)
         return FakeMethod(self, name, getattr(self.actor, name))
+
+    async def _set_role(self, role: str) -> float:
+        self.actor = self.make_role(role, self.actor.worker_id)
+        return 0.0
 
     def ids(self, method: str) -> list[str]:
         """The worker request ids this method was called about, in call order."""
@@ -236,10 +243,20 @@ class FakeCluster:
         self.decode = {w: FakeHandle(actor) for w, actor in decodes.items()}
         self.prefill = {w: FakeHandle(actor) for w, actor in prefills.items()}
         self.spawned: list[str] = []
+        for handle in (*self.decode.values(), *self.prefill.values()):
+            handle.make_role = self.make_role
         self.coordinator = Coordinator(
             "fake", FakeTokenizer(), MAX_MODEL_LEN, VOCAB_SIZE, eos_ids,  # type: ignore[arg-type]
             self.prefill, self.decode, config, spawn=self.spawn if spawn else None,
         )  # fmt: skip
+
+    def make_role(self, role: str, worker_id: str) -> FakePrefillActor | FakeDecodeActor:
+        """The fake actor a worker becomes in `role` (what WorkerActor.set_role does)."""
+        if role == "prefill":
+            self.decodes.pop(worker_id, None)
+            return FakePrefillActor(worker_id, self.decodes)
+        self.decodes[worker_id] = FakeDecodeActor(worker_id, self.eos_ids)
+        return self.decodes[worker_id]
 
     def spawn(self, pool: str) -> tuple[str, FakeHandle]:
         """A new fake worker of `pool`, as the builder's spawner would start a real one."""
@@ -247,10 +264,12 @@ class FakeCluster:
         self.spawned.append(worker_id)
         if pool == "prefill":
             handle = FakeHandle(FakePrefillActor(worker_id, self.decodes))
+            handle.make_role = self.make_role
             self.prefill[worker_id] = handle
         else:
             self.decodes[worker_id] = FakeDecodeActor(worker_id, self.eos_ids)
             handle = FakeHandle(self.decodes[worker_id])
+            handle.make_role = self.make_role
             self.decode[worker_id] = handle
         return worker_id, handle
 
@@ -276,3 +295,7 @@ def _request_id(arg: object) -> str:
 
 async def _raise(err: Exception) -> Any:
     raise err
+
+
+def _no_roles(role: str, worker_id: str) -> Any:
+    raise RuntimeError("this fake worker cannot change roles")

@@ -46,6 +46,9 @@ class WrappedClient:
     def drain(self, worker_id: str) -> None:
         self.inner.drain(worker_id)
 
+    async def switch_role(self, worker_id: str, role: str) -> float:
+        return await self.inner.switch_role(worker_id, role)
+
     def readiness(self) -> str | None:
         return self.inner.readiness()
 

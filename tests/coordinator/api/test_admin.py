@@ -97,3 +97,23 @@ def test_a_thousand_readiness_probes_start_nothing(cluster) -> None:
         assert http.get("/ready").status_code == 200
     assert threading.active_count() == threads
     assert OUTPUT  # the fake workers' script is loaded
+
+
+def test_role_switch_over_http(cluster) -> None:
+    _, http = cluster
+    http.post("/admin/pools", json={"decode": 2}, headers=AUTH)
+    assert wait_until(lambda: len(serving(http, "decode")) == 2, timeout=5)
+    switched = http.post("/admin/workers/decode-0/role", json={"role": "prefill"}, headers=AUTH)
+    assert switched.status_code == 200, switched.text
+    assert switched.json()["switch_seconds"] < 1.0
+    assert sorted(serving(http, "prefill")) == ["decode-0", "prefill-0"]
+    body = {"prompt": [1, 2, 3, 4, 5, 6], "max_tokens": 8, "temperature": 0}
+    assert http.post("/v1/completions", json=body, headers=AUTH).status_code == 200
+    last_decode = http.post(
+        "/admin/workers/decode-new0/role", json={"role": "prefill"}, headers=AUTH
+    )
+    assert last_decode.status_code == 400  # the decode pool would be empty
+    bad = http.post("/admin/workers/decode-0/role", json={"role": "both"}, headers=AUTH)
+    assert bad.status_code == 400
+    missing = http.post("/admin/workers/nobody/role", json={"role": "decode"}, headers=AUTH)
+    assert missing.status_code == 404

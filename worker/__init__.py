@@ -1,0 +1,1 @@
+"""worker: the Ray actor that hosts one engine in either role (prefill or decode)."""

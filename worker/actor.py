@@ -1,0 +1,138 @@
+"""WorkerActor: the Ray shell around one engine and the role it plays (PrefillWorker or
+DecodeWorker). Placement is decided by coordinator.builder.
+
+The engine (weights, KV cache, prefix cache) belongs to the actor, not to the role: `set_role`
+stops the current role (its requests fail and are placed again by the coordinator) and starts the
+other around the same engine, so a switch costs milliseconds, not a model load.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+
+import ray
+import torch
+
+from decode.worker import DecodeWorker
+from engine.config import EngineConfig
+from engine.engine import LLMEngine
+from kvtransfer.transport import make_transport
+from prefill.worker import PrefillReport, PrefillWorker
+from protocol.kv import Ticket
+from protocol.messages import PrefillResult, WorkerUpdate, WorkRequest
+from protocol.stats import EngineHealth, WorkerStats
+
+ROLES = ("prefill", "decode")
+
+
+class RoleError(RuntimeError):
+    """A call meant for the other role (it arrived while the worker switched)."""
+
+
+class WorkerActor:
+    def __init__(
+        self,
+        worker_id: str,
+        config: EngineConfig,
+        transport: str,
+        transfer_timeout: float,
+        num_threads: int,
+        role: str,
+        host: str | None = None,
+    ) -> None:
+        torch.set_num_threads(num_threads)
+        self.worker_id = worker_id
+        self.transfer_timeout = transfer_timeout
+        self.host = host or ray.util.get_node_ip_address()
+        self.engine = LLMEngine(config)
+        self.transport = make_transport(transport, torch.device(config.device))
+        self.role = role
+        self.worker: PrefillWorker | DecodeWorker = self._start(role)
+
+    def _start(self, role: str) -> PrefillWorker | DecodeWorker:
+        if role == "prefill":
+            return PrefillWorker(self.worker_id, self.engine, self.transport, self.transfer_timeout)
+        return DecodeWorker(
+            self.worker_id, self.engine, self.transport, self.transfer_timeout, self.host
+        )
+
+    # -- both roles ------------------------------------------------------------------------
+
+    async def node_id(self) -> str:
+        """The Ray node this worker landed on."""
+        return ray.get_runtime_context().get_node_id()
+
+    async def pid(self) -> int:
+        return os.getpid()
+
+    async def ping(self) -> int:
+        """Answers once the model is loaded: the context length this worker serves."""
+        return self.engine.max_model_len
+
+    async def health(self) -> EngineHealth:
+        """Answers at once from any state: whether the engine thread lives and steps."""
+        return self.worker.thread.health()
+
+    async def set_role(self, role: str) -> float:
+        """Stops the current role and starts `role` on the same engine; the seconds it took."""
+        if role not in ROLES:
+            raise ValueError(f"role must be one of {ROLES}, not {role!r}")
+        started = time.perf_counter()
+        if role != self.role:
+            await asyncio.to_thread(self.worker.shutdown)
+            self.worker, self.role = self._start(role), role
+        return time.perf_counter() - started
+
+    async def abort(self, request_id: str) -> None:
+        self.worker.abort(request_id)
+
+    async def stats(self) -> WorkerStats:
+        return await asyncio.wrap_future(self.worker.stats())
+
+    # -- prefill ---------------------------------------------------------------------------
+
+    async def prefill(self, request: WorkRequest, ticket: Ticket) -> PrefillResult:
+        """Returns once the request's KV and first token are with its decode worker."""
+        worker = self._as(PrefillWorker)
+        loop = asyncio.get_running_loop()
+        outcome: asyncio.Future = loop.create_future()
+
+        def settle(_: str, report: PrefillReport | Exception) -> None:
+            result = report if isinstance(report, Exception) else report.result
+            loop.call_soon_threadsafe(_set, outcome, result)
+
+        worker.submit(request, ticket, settle)
+        try:
+            return await outcome
+        except asyncio.CancelledError:
+            worker.abort(request.request_id)
+            raise
+
+    # -- decode ----------------------------------------------------------------------------
+
+    async def reserve(self, request: WorkRequest, prefill_id: str) -> Ticket | None:
+        return await asyncio.wrap_future(self._as(DecodeWorker).reserve(request, prefill_id))
+
+    async def add_local(self, request: WorkRequest) -> None:
+        await asyncio.wrap_future(self._as(DecodeWorker).add_local(request))
+
+    async def updates(self, timeout: float) -> list[WorkerUpdate]:
+        """Long poll: every token update since the last call, for all requests at once."""
+        return await asyncio.to_thread(self._as(DecodeWorker).take_updates, timeout)
+
+    def _as(self, kind: type) -> PrefillWorker | DecodeWorker:
+        worker = self.worker
+        if not isinstance(worker, kind):
+            raise RoleError(f"worker {self.worker_id} now serves as {self.role}")
+        return worker
+
+
+def _set(future: asyncio.Future, result: PrefillResult | Exception) -> None:
+    if future.done():
+        return
+    if isinstance(result, Exception):
+        future.set_exception(result)
+    else:
+        future.set_result(result)
