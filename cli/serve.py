@@ -12,6 +12,7 @@ import argparse
 import logging
 import os
 import re
+import signal
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -203,22 +204,38 @@ def format_size(num_bytes: int) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    import uvicorn
-
-    from coordinator.api.app import create_app
-    from coordinator.api.server import CANCEL_AFTER_DRAIN_S, DrainingServer
+    from coordinator.api.server import StartupInterrupted, interrupt
 
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    settings = server_settings(args)
+    signal.signal(signal.SIGTERM, interrupt)  # until uvicorn takes the signals over
+    try:
+        return _serve(args, settings)
+    except (StartupInterrupted, KeyboardInterrupt) as err:
+        log.info("stopped by %s before serving", err or "SIGINT")
+        _stop_ray()
+        return 0
+
+
+def server_settings(args: argparse.Namespace) -> ServerSettings:
     for flag in ("max_queue", "max_prompts", "max_n", "max_body_size"):
         if getattr(args, flag) < 1:
             raise CliError(f"--{flag.replace('_', '-')} must be at least 1")
-    settings = ServerSettings(
+    return ServerSettings(
         api_key=args.api_key,
         max_queue=args.max_queue,
         max_prompts=args.max_prompts,
         max_n=args.max_n,
         max_body_bytes=args.max_body_size,
     )
+
+
+def _serve(args: argparse.Namespace, settings: ServerSettings) -> int:
+    import uvicorn
+
+    from coordinator.api.app import create_app
+    from coordinator.api.server import CANCEL_AFTER_DRAIN_S, DrainingServer
+
     app = create_app(make_client(args), settings)
     config = uvicorn.Config(
         app,
@@ -233,6 +250,14 @@ def run(args: argparse.Namespace) -> int:
     if not server.started:
         raise CliError("the server did not start (see the log above)")
     return 0
+
+
+def _stop_ray() -> None:
+    """Stops the Ray cluster this process started (its workers with it), if it started one."""
+    import ray
+
+    if ray.is_initialized():
+        ray.shutdown()
 
 
 def make_client(args: argparse.Namespace) -> EngineClient:

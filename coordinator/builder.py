@@ -16,16 +16,22 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
+import threading
 from typing import Any
 
 import ray
 
 from coordinator.coordinator import Coordinator, CoordinatorConfig
 from coordinator.deploy import DeployConfig
+from coordinator.reaper import start_reaper
 from engine.config import ConfigError, EngineConfig, ModelConfig
 from engine.tokenizer import Tokenizer
+from protocol.kv import DTYPE_BYTES
 
 log = logging.getLogger(__name__)
+LOCAL_LOGICAL_CPUS = 32  # placements a cluster tandem starts itself allows
+WORKER_OVERHEAD_BYTES = 600 * 2**20  # a worker process beyond its weights and KV cache
 
 
 def connect_ray(address: str | None, num_cpus: int | None = None) -> None:
@@ -35,12 +41,27 @@ def connect_ray(address: str | None, num_cpus: int | None = None) -> None:
     a remote cluster keeps whatever auth mode that cluster and the environment ask for."""
     if ray.is_initialized():
         return
+    # ray.init replaces the SIGTERM handler with one that kills the process on the spot; a
+    # caller that handles SIGTERM itself (tandem serve: stop cleanly) keeps its handler.
+    previous = signal.getsignal(signal.SIGTERM)
+    try:
+        _init_ray(address, num_cpus)
+    finally:
+        if callable(previous) and threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGTERM, previous)
+
+
+def _init_ray(address: str | None, num_cpus: int | None) -> None:
     if address is None:
         os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+        start_reaper()  # the cluster goes with this process, however it ends
         ray.init(
             address="local",
             include_dashboard=False,
-            num_cpus=num_cpus,
+            # Logical CPUs only count placements: every worker asks for one, sets its own torch
+            # threads, and the pools share the cores. Memory is what limits a pool here
+            # (WorkerSpawner.check_room), not Ray's count of cores.
+            num_cpus=num_cpus or max(os.cpu_count() or 1, LOCAL_LOGICAL_CPUS),
             _node_ip_address="127.0.0.1",
             log_to_driver=False,
         )
@@ -114,6 +135,8 @@ class WorkerSpawner:
     def check_room(self) -> None:
         """Fails at once, naming what is missing, when the cluster cannot hold the pools (a
         worker Ray cannot place would otherwise wait forever)."""
+        if self.deploy.address is None and not self.engine.device.startswith("cuda"):
+            self._check_memory()
         needs = {"CPU": self.num_cpus * self.total}
         if self.engine.device.startswith("cuda"):
             needs["GPU"] = float(self.total)
@@ -127,6 +150,19 @@ class WorkerSpawner:
                 "--prefill-workers / --decode-workers (or use --device cpu)"
             )
 
+    def _check_memory(self) -> None:
+        """On this machine every worker holds its own weights (twice on CPUs with AMX: the
+        packed copy) and KV cache: the pools must fit in the memory available now."""
+        per_worker = worker_bytes(self.engine)
+        available = _available_memory()
+        if available is not None and per_worker * self.total > available:
+            raise ConfigError(
+                f"{self.total} workers need about {per_worker * self.total / 2**30:.1f} GiB "
+                f"({per_worker / 2**30:.1f} GiB each: weights, KV cache, runtime) but this "
+                f"machine has {available / 2**30:.1f} GiB available: lower --prefill-workers / "
+                "--decode-workers or --kv-cache-memory"
+            )
+
     def _options(self, pool: str | None) -> dict[str, Any]:
         options: dict[str, Any] = {"max_restarts": 0, "num_cpus": self.num_cpus}
         if self.engine.device.startswith("cuda"):
@@ -134,3 +170,33 @@ class WorkerSpawner:
         if pool is not None and ray.cluster_resources().get(pool, 0) > 0:
             options["resources"] = {pool: 1}
         return options
+
+
+def worker_bytes(engine: EngineConfig) -> int:
+    """A rough upper bound of one CPU worker's memory: weights at the serving dtype (twice,
+    for the packed copy), its KV cache, and the process itself."""
+    model = ModelConfig.from_pretrained(engine.model)
+    on_disk = sum(f.stat().st_size for f in model.path.glob("*.safetensors"))
+    weights = on_disk * DTYPE_BYTES[engine.dtype] // 2  # checkpoints are 16-bit as a rule
+    kv = engine.kv_cache_memory_bytes
+    if engine.num_kv_blocks is not None:
+        kv = (
+            engine.num_kv_blocks
+            * engine.block_size
+            * model.num_layers
+            * 2
+            * (model.num_kv_heads * model.head_dim * DTYPE_BYTES[engine.dtype])
+        )
+    return 2 * weights + kv + WORKER_OVERHEAD_BYTES
+
+
+def _available_memory() -> int | None:
+    """MemAvailable from /proc/meminfo (Linux); None elsewhere."""
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None

@@ -6,6 +6,7 @@ starts draining: the socket stays open and new generation requests get 503, whil
 flight run to completion or until the grace period ends. Then uvicorn's shutdown runs (requests
 still running are cancelled, which aborts them) and the app's lifespan stops the backend.
 A second signal skips the rest of the drain; a third exits without stopping the backend.
+A signal while the workers are still starting stops the start (StartupInterrupted).
 """
 
 from __future__ import annotations
@@ -25,6 +26,15 @@ log = logging.getLogger(__name__)
 CANCEL_AFTER_DRAIN_S = 1.0
 
 
+class StartupInterrupted(Exception):
+    """SIGINT or SIGTERM came before the server took its first request: nothing to drain."""
+
+
+def interrupt(sig: int, frame: FrameType | None) -> None:
+    """A signal handler for the time before serving: unwinds whatever is starting."""
+    raise StartupInterrupted(signal.Signals(sig).name)
+
+
 class DrainingServer(uvicorn.Server):
     def __init__(self, config: uvicorn.Config, admission: Admission, grace_s: float) -> None:
         if config.timeout_graceful_shutdown is None:  # uvicorn would wait on a stuck stream forever
@@ -35,6 +45,8 @@ class DrainingServer(uvicorn.Server):
         self.drain_deadline: float | None = None
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        if not self.started:  # still waiting for the workers: stop waiting, nothing to drain
+            interrupt(sig, frame)
         # Not recorded in uvicorn's captured signals: it would re-raise them after shutdown,
         # and SIGINT would then end the process with KeyboardInterrupt instead of exit 0.
         if self.drain_deadline is None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import signal
+import time
 
 import httpx
 import pytest
@@ -152,3 +153,57 @@ def test_process_serves_then_exits_0_on_signal(tiny_llama, sig, tmp_path) -> Non
         output = server.output  # its stdout and stderr (where it logs)
     assert returncode == 0, output
     assert "Traceback" not in output
+
+
+def _ours(server: ServeProcess) -> dict[int, str]:
+    from coordinator.reaper import descendants
+
+    return {pid: start for pid, start in descendants(server.process.pid).items()}
+
+
+def _still_running(seen: dict[int, str]) -> list[int]:
+    from coordinator.reaper import descendants
+
+    alive = descendants(1)  # every process on the machine is a descendant of init
+    return [pid for pid, start in seen.items() if alive.get(pid) == start]
+
+
+def test_sigterm_while_starting_exits_and_leaves_nothing(tiny_llama, tmp_path) -> None:
+    args = ["--model", str(tiny_llama), "--dtype", "float32", "--kv-cache-memory", "16MiB"]
+    with ServeProcess(args, tmp_path / "serve.log") as server:
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while not any("WorkerActor" in _cmdline(pid) for pid in _ours(server)):
+            assert time.monotonic() < deadline and server.process.poll() is None, server.log
+            time.sleep(0.1)
+        seen = _ours(server)  # the Ray cluster and the workers, loading their models
+        returncode = server.stop(STOP_TIMEOUT_S, signal.SIGTERM)
+        output = server.output
+    assert returncode == 0, output
+    assert "Traceback" not in output
+    assert _wait_gone(seen, 15) == []
+
+
+def test_a_killed_server_takes_its_ray_cluster_with_it(tiny_llama, tmp_path) -> None:
+    args = ["--model", str(tiny_llama), "--dtype", "float32", "--kv-cache-memory", "16MiB"]
+    with ServeProcess(args, tmp_path / "serve.log") as server:
+        server.wait_healthy(START_TIMEOUT_S)
+        seen = _ours(server)
+        assert any("WorkerActor" in _cmdline(pid) for pid in seen)
+        server.process.kill()  # SIGKILL to the server alone, not its process group
+        server.process.wait()
+        assert _wait_gone(seen, 15) == []
+
+
+def _wait_gone(seen: dict[int, str], timeout: float) -> list[str]:
+    deadline = time.monotonic() + timeout
+    while _still_running(seen) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return [f"{pid} {_cmdline(pid)}" for pid in _still_running(seen)]
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return ""

@@ -1,0 +1,89 @@
+"""The reaper: a watchdog process that ends every process `tandem serve` started (its Ray
+cluster: gcs, raylet, agents, workers) if `tandem serve` itself dies without stopping them, by
+SIGKILL for instance. Ray's gcs and raylet share the driver's fate, but its agents outlive it.
+
+    serve ──pipe──> reaper (own session)      every 0.5 s: the serve process's descendants
+    serve dies -> pipe closes -> reaper SIGKILLs the last descendants it saw (same start times)
+
+Run as `python -m coordinator.reaper PID` with stdin the read end of a pipe the serve process
+holds open; `start_reaper()` does that. Linux only (/proc); elsewhere it is not started.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import select
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+SCAN_S = 0.5
+
+
+def start_reaper() -> subprocess.Popen | None:
+    """Starts the reaper for this process; None where /proc is missing."""
+    if not Path("/proc/self/stat").exists():
+        return None
+    read_end, write_end = os.pipe()
+    reaper = subprocess.Popen(
+        [sys.executable, "-m", "coordinator.reaper", str(os.getpid())],
+        stdin=read_end,
+        start_new_session=True,  # a signal to the serve process group does not reach it
+    )
+    os.close(read_end)
+    os.set_inheritable(write_end, False)  # only this process holds it: its death closes it
+    _held.append(write_end)
+    return reaper
+
+
+_held: list[int] = []  # the write end, open for the life of the process
+
+
+def descendants(root: int) -> dict[int, str]:
+    """Every live descendant of `root`: pid -> its start time (from /proc/PID/stat)."""
+    children: dict[int, list[int]] = {}
+    started: dict[int, str] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        with contextlib.suppress(OSError, IndexError):
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            children.setdefault(int(fields[1]), []).append(int(entry.name))
+            started[int(entry.name)] = fields[19]
+    found, todo = {}, list(children.get(root, []))
+    while todo:
+        pid = todo.pop()
+        if pid == os.getpid():  # the reaper itself
+            continue
+        found[pid] = started[pid]
+        todo.extend(children.get(pid, []))
+    return found
+
+
+def reap(seen: dict[int, str]) -> None:
+    """SIGKILL to each process still running with the start time it had when seen."""
+    alive = {}
+    for pid in seen:
+        with contextlib.suppress(OSError, IndexError):
+            alive[pid] = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19]
+    for pid, start in seen.items():
+        if alive.get(pid) == start:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+
+
+def watch(serve_pid: int) -> None:
+    seen: dict[int, str] = {}
+    while True:
+        ready, _, _ = select.select([sys.stdin], [], [], SCAN_S)
+        if ready and not os.read(sys.stdin.fileno(), 1):  # end of file: the serve process died
+            break
+        seen = descendants(serve_pid)
+    reap(seen)
+
+
+if __name__ == "__main__":
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a Ctrl-C is for the server, not for us
+    watch(int(sys.argv[1]))
