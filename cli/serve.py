@@ -184,6 +184,14 @@ def _add_cluster_flags(g: argparse._ArgumentGroup) -> None:
         metavar="SECONDS",
         help="how long a decode worker holds blocks reserved for KV that has not arrived",
     )
+    g.add_argument(
+        "--placement-timeout",
+        type=float,
+        default=deploy("placement_timeout"),
+        metavar="SECONDS",
+        help="fail the start when Ray has not placed every worker by then (raise it while an "
+        "autoscaler adds nodes)",
+    )
 
 
 def parse_size(text: str) -> int:
@@ -283,6 +291,7 @@ def deploy_config(args: argparse.Namespace) -> DeployConfig:
         kv_transport=args.kv_transport,
         transfer_timeout=args.kv_transfer_timeout,
         local_prefill_threshold=args.local_prefill_threshold,
+        placement_timeout=args.placement_timeout,
         model_name=args.served_model_name,
     )
 

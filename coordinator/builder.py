@@ -54,6 +54,13 @@ def connect_ray(address: str | None, num_cpus: int | None = None) -> None:
 def _init_ray(address: str | None, num_cpus: int | None) -> None:
     if address is None:
         os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+        # Ray starts workers at niceness 15, where the engine threads lose the cores to the
+        # HTTP server and the coordinator; tandem's workers are the service. (On a `ray up`
+        # cluster, cluster.yaml sets the same for its nodes.)
+        os.environ.setdefault("RAY_worker_niceness", "0")
+        # Task events feed Ray's dashboard, which tandem's own cluster does not run; left on,
+        # every poll and probe is recorded in the GCS, whose memory then grows for hours.
+        os.environ.setdefault("RAY_task_events_report_interval_ms", "0")
         start_reaper()  # the cluster goes with this process, however it ends
         ray.init(
             address="local",
@@ -87,8 +94,10 @@ def build_client(engine: EngineConfig, deploy: DeployConfig) -> Coordinator:
         config=CoordinatorConfig(
             block_size=engine.block_size,
             local_prefill_threshold=deploy.local_prefill_threshold,
+            placement_timeout=deploy.placement_timeout,
         ),
         spawn=spawner.spawn,
+        unplaced=spawner.unplaced,
         decode_pool="colocated" if deploy.mode == "colocated" else "decode",
     )
 
@@ -149,6 +158,30 @@ class WorkerSpawner:
                 f"the pools need {wanted} but this machine has {owned}: lower "
                 "--prefill-workers / --decode-workers (or use --device cpu)"
             )
+
+    def unplaced(self, workers: dict[str, Any]) -> str | None:
+        """Which workers Ray has not placed yet, and what they ask for; None when all are
+        placed or Ray cannot say (its state API needs the dashboard)."""
+        try:
+            from ray.util.state import list_actors
+
+            pending = {
+                a.actor_id for a in list_actors(filters=[("state", "=", "PENDING_CREATION")])
+            }
+        except Exception:  # no state API on this cluster: the start timeout still holds
+            return None
+        names = sorted(w for w, h in workers.items() if h._actor_id.hex() in pending)
+        if not names:
+            return None
+        asks = {k: v for k, v in self._options(None).items() if k in ("num_cpus", "num_gpus")}
+        have = {k: v for k, v in ray.available_resources().items() if "node:" not in k}
+        return (
+            f"Ray placed no process for {', '.join(names)} within "
+            f"{self.deploy.placement_timeout:g}s: each worker asks for {asks} (plus one unit "
+            f"of its pool's resource where the cluster has one) and the cluster has {have} "
+            "free. Add nodes, lower --prefill-workers / --decode-workers, or raise "
+            "--placement-timeout while an autoscaler adds nodes"
+        )
 
     def _check_memory(self) -> None:
         """On this machine every worker holds its own weights (twice on CPUs with AMX: the

@@ -19,7 +19,7 @@ import contextlib
 import itertools
 import logging
 import time
-from collections.abc import AsyncIterator, Coroutine
+from collections.abc import AsyncIterator, Callable, Coroutine
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -53,6 +53,7 @@ class CoordinatorConfig:
     prefill_base_timeout: float = 30.0  # queueing + prefill + transfer of one request ...
     prefill_seconds_per_token: float = 0.02  # ... plus this per prompt token
     capacity_wait: float = 60.0  # how long a request may wait for decode KV blocks
+    placement_timeout: float = 30.0  # Ray must have placed every first worker by then
     supervision: SupervisorConfig = SupervisorConfig()
 
     def prefill_timeout(self, num_tokens: int) -> float:
@@ -71,6 +72,7 @@ class Coordinator:
         decode: dict[str, Any],  # worker id -> WorkerActor handle (decode role)
         config: CoordinatorConfig,
         spawn: Spawn | None = None,  # starts a worker of a pool: replacements, growth
+        unplaced: Callable[[dict[str, Any]], str | None] | None = None,  # see _start
         decode_pool: str = "decode",  # "colocated" when the decode workers prefill everything
     ) -> None:
         self.model_name = model_name
@@ -98,6 +100,7 @@ class Coordinator:
         self._pollers: dict[str, asyncio.Task] = {}  # decode worker id -> its long-poll loop
         self._ids = itertools.count()
         self._started: asyncio.Future | None = None
+        self._unplaced = unplaced
         self._closing = False
 
     # -- EngineClient ----------------------------------------------------------------------
@@ -111,9 +114,17 @@ class Coordinator:
 
     async def _start(self) -> None:
         workers = {**self.prefill, **self.decode}
-        limits = await asyncio.gather(
-            *(self._call(w.ping, timeout=START_TIMEOUT) for w in workers.values())
+        pings = asyncio.ensure_future(
+            asyncio.gather(*(self._call(w.ping, timeout=START_TIMEOUT) for w in workers.values()))
         )
+        await asyncio.wait({pings}, timeout=self.config.placement_timeout)
+        # Loading a model may take minutes, but a worker Ray has not even placed by now never
+        # starts on its own: say what it asked for instead of waiting.
+        problem = None if pings.done() or self._unplaced is None else self._unplaced(workers)
+        if problem is not None:
+            pings.cancel()
+            raise EngineDeadError(problem)
+        limits = await pings
         self.max_model_len = min([self.max_model_len, *limits])
         self.limits = ModelLimits(self.max_model_len, self.vocab_size)
         for decode_id in self.decode:

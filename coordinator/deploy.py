@@ -20,6 +20,7 @@ class DeployConfig:
     transfer_timeout: float = 60.0  # seconds a reservation waits for its KV (a lease)
     local_prefill_threshold: int = 0  # tokens; shorter uncached prompts prefill on decode
     threads_per_worker: int | None = None  # CPU only; default: cores / workers
+    placement_timeout: float = 30.0  # seconds Ray may take to place each worker's process
     model_name: str | None = None  # served id; default: the model folder's name
 
     def __post_init__(self) -> None:

@@ -186,6 +186,7 @@ class DecodeWorker:
             "decode",
             snapshot._replace(num_running=snapshot.num_running + len(self._leases)),
             **self.transfers.fields(),
+            **self.thread.steps.fields(),
             requests_prefilled_locally=self.prefilled_locally,
         )
 

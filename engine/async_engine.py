@@ -76,6 +76,10 @@ class AsyncEngine:
             if self._streams.pop(request_id, None) is not None and not state.finished:
                 thread.submit(self.engine.abort, request_id)
 
+    def step_fields(self) -> dict[str, object]:
+        """WorkerStats fields for the engine thread's step timings."""
+        return {} if self._thread is None else self._thread.steps.fields()
+
     def health(self) -> EngineHealth | None:
         """The engine thread's health; None before start()."""
         return None if self._thread is None else self._thread.health()

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from protocol.stats import EngineHealth
+from protocol.stats import EngineHealth, StepTimer
 
 log = logging.getLogger(__name__)
 IDLE_WAIT_SECONDS = 0.05
@@ -40,6 +40,7 @@ class EngineThread:
         self._stop = threading.Event()
         self.error: BaseException | None = None
         self._last_turn = time.monotonic()  # written by the engine thread only
+        self.steps = StepTimer()  # written by the engine thread only
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
@@ -81,7 +82,9 @@ class EngineThread:
                 if self._housekeeping is not None:
                     self._housekeeping()
                 if self._has_work():
+                    started = time.perf_counter()
                     self._step()
+                    self.steps.seconds.observe(time.perf_counter() - started)
         except BaseException as err:  # every caller must learn about it; nothing hangs
             log.exception("engine thread crashed")
             self.error = err

@@ -53,7 +53,8 @@ class LocalEngineClient:
     def stats(self) -> list[WorkerStats]:
         # Read from the event loop while the engine thread steps: the counts may be a step
         # stale (each is one read under the GIL), which is fine for metrics.
-        return [WorkerStats.of(WORKER_NAME, "colocated", self.engine.snapshot())]
+        snapshot = self.engine.snapshot()
+        return [WorkerStats.of(WORKER_NAME, "colocated", snapshot, **self._async.step_fields())]
 
     def pools(self) -> list[PoolWorker]:
         if not self._started:

@@ -10,6 +10,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import replace
 from functools import partial
+from pathlib import Path
 from typing import TextIO
 
 import httpx
@@ -20,7 +21,7 @@ from loadtest.datasets import sample_requests
 from loadtest.errors import BenchError
 from loadtest.metrics import compute_metrics
 from loadtest.report import format_record
-from loadtest.results import Record, result_record, save_record
+from loadtest.results import Record, result_path, result_record, save_record
 from loadtest.runner import run_load
 from loadtest.sample import SampleRequest
 from loadtest.sweep import format_sweep, goodput_of, run_sweep, sweep_record
@@ -34,10 +35,12 @@ def run_bench(config: BenchConfig, out: TextIO) -> Record:
     # trust_env=False: requests go straight to the server, never through a configured proxy.
     with httpx.Client(timeout=config.target.request_timeout_s, trust_env=False) as http:
         model = resolve_model(http, config.target)
-        counter = open_counter(config.tokenizer, http, config.target.base_url, model)
-        samples = sample_requests(config.dataset, counter)
         target = build_target(config.target, model)
-        measure = partial(measure_once, config, target, samples, counter)
+        counter = open_counter(
+            config.tokenizer, http, config.target.base_url, target.model, config.trust_remote_code
+        )
+        samples = sample_requests(config.dataset, counter)
+        measure = partial(measure_once, config, target, model, samples, counter)
         if config.sweep is None:
             return _finish_single(config, measure(config.load), out)
         runs = run_sweep(config.sweep, config.load, measure)
@@ -47,10 +50,12 @@ def run_bench(config: BenchConfig, out: TextIO) -> Record:
 def measure_once(
     config: BenchConfig,
     target: Target,
+    model_id: str,
     samples: list[SampleRequest],
     counter: TokenCounter,
     load: LoadConfig,
 ) -> Record:
+    """One run at `load`; `model_id` is --model (or the first listed), as vLLM records it."""
     outcome = asyncio.run(
         run_load(
             target,
@@ -64,7 +69,8 @@ def measure_once(
     results = [_with_output_tokens(result, counter) for result in outcome.results]
     output = config.output
     metrics = compute_metrics(results, outcome.duration_s, output.percentiles, output.goodput)
-    return result_record(metrics, results, outcome, _settings(config, target, load, len(samples)))
+    settings = _settings(config, model_id, load, len(samples))
+    return result_record(metrics, results, outcome, settings)
 
 
 def _with_output_tokens(result: RequestResult, counter: TokenCounter) -> RequestResult:
@@ -74,15 +80,18 @@ def _with_output_tokens(result: RequestResult, counter: TokenCounter) -> Request
     return replace(result, output_tokens=counter.count(result.generated_text))
 
 
-def _settings(config: BenchConfig, target: Target, load: LoadConfig, num_prompts: int) -> Record:
+def _settings(config: BenchConfig, model_id: str, load: LoadConfig, num_prompts: int) -> Record:
+    """vLLM's setup keys, --metadata after them, then tandem's."""
     slo = config.output.goodput
     return {
         "date": datetime.datetime.now().strftime("%Y%m%d-%H%M%S"),
-        "endpoint_type": "openai-chat" if target.is_chat else "openai",
+        "endpoint_type": config.target.backend_name,
+        "backend": config.target.backend_name,
         "label": config.output.label,
+        "model_id": model_id,
+        **dict(config.output.metadata),
         "base_url": config.target.base_url,
         "endpoint": config.target.endpoint,
-        "model_id": target.model,
         "tokenizer_id": str(config.tokenizer) if config.tokenizer else "server:/tokenize",
         "dataset_name": config.dataset.spec.name,
         "num_prompts": num_prompts,
@@ -101,21 +110,19 @@ def _slo_ms(slo: GoodputSLO) -> dict[str, float]:
 
 
 def _finish_single(config: BenchConfig, record: Record, out: TextIO) -> Record:
-    print(format_record(record), file=out)
-    if config.output.save_result is not None:
-        save_record(record, config.output.save_result)
+    print(format_record(record, config.output.percentile_metrics), file=out)
+    saved = _save(config, record, out)
     if config.output.plot_dir is not None:
         from loadtest.plots import plot_run  # matplotlib takes a second to import
 
         plot_run(record, config.output.plot_dir)
-    _raise_on_failures([record], config)
+    _raise_on_failures([record], saved)
     return record
 
 
 def _finish_sweep(config: BenchConfig, record: Record, out: TextIO) -> Record:
     print(format_sweep(record), file=out)
-    if config.output.save_result is not None:
-        save_record(record, config.output.save_result)
+    saved = _save(config, record, out)
     if config.output.plot_dir is not None:
         from loadtest.plots import plot_sweep
 
@@ -131,16 +138,24 @@ def _finish_sweep(config: BenchConfig, record: Record, out: TextIO) -> Record:
             summary["parameter"],
             path,
         )
-    _raise_on_failures(record["runs"], config)
+    _raise_on_failures(record["runs"], saved)
     return record
 
 
-def _raise_on_failures(records: Sequence[Record], config: BenchConfig) -> None:
+def _save(config: BenchConfig, record: Record, out: TextIO) -> Path | None:
+    if config.output.save_result is None:
+        return None
+    path = result_path(config.output.save_result, record)
+    save_record(record, path)
+    print(f"Results saved to {path}", file=out)
+    return path
+
+
+def _raise_on_failures(records: Sequence[Record], saved: Path | None) -> None:
     failed = sum(record["failed"] for record in records)
     if failed == 0:
         return
     total = sum(len(record["errors"]) for record in records)
     first = next(error for record in records for error in record["errors"] if error)
-    saved = config.output.save_result
     where = f"; results saved to {saved}" if saved is not None else ""
     raise BenchError(f"{failed} of {total} requests failed (first: {first}){where}")

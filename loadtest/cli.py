@@ -1,17 +1,21 @@
 """`tandem bench`: load-test an OpenAI-compatible server (tandem, vLLM, SGLang) with the metric
-definitions and JSON keys of `vllm bench serve`; `tandem bench compare` puts saved results side
-by side. This module only maps flags to a `BenchConfig`; `cli.main` registers it through
-`add_parser` and prints a `BenchError` as one line. It imports nothing from `cli/` or
-`coordinator/`: the command line depends on the load tester, never the reverse."""
+definitions, JSON keys and command line of `vllm bench serve`; `tandem bench compare` puts saved
+results side by side. This module maps the flags (`cli_flags.py`) to a `BenchConfig`; `cli.main`
+registers it through `add_parser` and prints a `BenchError` as one line. It imports nothing from
+`cli/` or `coordinator/`: the command line depends on the load tester, never the reverse."""
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
 
+from loadtest.cli_flags import BACKENDS, DATASET_ALIASES, DATASETS, add_bench_flags
 from loadtest.config import (
+    Backend,
     BenchConfig,
     DatasetConfig,
     DatasetSpec,
@@ -20,15 +24,13 @@ from loadtest.config import (
     OutputConfig,
     PrefixRepetitionSpec,
     RandomSpec,
+    ResultFile,
     SamplingConfig,
     ShareGPTSpec,
     TargetConfig,
 )
 from loadtest.errors import BenchError
-
-DEFAULT_BASE_URL = "http://127.0.0.1:8000"
-DEFAULT_REQUEST_TIMEOUT_S = 600.0
-DATASETS = ("random", "sharegpt", "prefix-repetition", "mixed")
+from loadtest.vllm_compat import refuse_unhonoured
 
 
 class DefaultsFormatter(argparse.HelpFormatter):
@@ -47,124 +49,16 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     p = commands.add_parser(
         "bench",
         help="load-test an OpenAI-compatible server",
-        description="Load-test an OpenAI-compatible server; 'tandem bench compare A.json B.json' "
-        "compares saved results.",
+        description="Load-test an OpenAI-compatible server with the flags of 'vllm bench serve'; "
+        "'tandem bench compare A.json B.json' compares saved results.",
         formatter_class=DefaultsFormatter,
     )
-    _add_target_flags(p.add_argument_group("target"))
-    _add_dataset_flags(p.add_argument_group("workload"))
-    _add_load_flags(p.add_argument_group("load"))
-    _add_output_flags(p.add_argument_group("metrics and output"))
+    add_bench_flags(p)
     p.set_defaults(run=run)
     sub = p.add_subparsers(dest="bench_command", metavar="{compare}", parser_class=type(p))
     compare = sub.add_parser("compare", help="compare saved results side by side")
     compare.add_argument("results", nargs="+", type=Path, help="result files of --save-result")
     compare.add_argument("--plot", type=Path, metavar="DIR", help="write overlaid plots here")
-
-
-def _add_target_flags(g: argparse._ArgumentGroup) -> None:
-    g.add_argument("--base-url", default=DEFAULT_BASE_URL, help="server root, without /v1")
-    g.add_argument(
-        "--endpoint",
-        default="/v1/completions",
-        help="/v1/completions or /v1/chat/completions (or a path ending so)",
-    )
-    g.add_argument("--model", help="model id to request (default: the first at /v1/models)")
-    g.add_argument("--api-key", help="sent as 'Authorization: Bearer KEY'")
-    g.add_argument(
-        "--tokenizer",
-        type=Path,
-        metavar="DIR",
-        help="Hugging Face tokenizer folder (default: the server's POST /tokenize)",
-    )
-    g.add_argument(
-        "--request-timeout",
-        type=float,
-        default=DEFAULT_REQUEST_TIMEOUT_S,
-        metavar="S",
-        help="a request still running after S seconds fails",
-    )
-
-
-def _add_dataset_flags(g: argparse._ArgumentGroup) -> None:
-    g.add_argument("--dataset-name", choices=DATASETS, default="random", help="workload")
-    g.add_argument("--dataset-path", type=Path, help="ShareGPT-format JSON file")
-    g.add_argument("--num-prompts", type=int, default=DatasetConfig.num_prompts, help="requests")
-    g.add_argument("--seed", type=int, default=0, help="seeds prompts and arrival times")
-    g.add_argument("--random-input-len", type=int, default=RandomSpec.input_len, help="tokens")
-    g.add_argument("--random-output-len", type=int, default=RandomSpec.output_len, help="tokens")
-    g.add_argument(
-        "--random-range-ratio",
-        type=float,
-        default=RandomSpec.range_ratio,
-        help="lengths uniform in [len * (1 - r), len * (1 + r)] (random and mixed)",
-    )
-    g.add_argument(
-        "--random-prefix-len", type=int, default=RandomSpec.prefix_len, help="shared prefix"
-    )
-    g.add_argument("--sharegpt-output-len", type=int, help="(default: the recorded reply's)")
-    g.add_argument(
-        "--prefix-repetition-num-prefixes",
-        type=int,
-        default=PrefixRepetitionSpec.num_prefixes,
-        help="prefixes",
-    )
-    g.add_argument(
-        "--prefix-repetition-prefix-len",
-        type=int,
-        default=PrefixRepetitionSpec.prefix_len,
-        help="tokens",
-    )
-    g.add_argument(
-        "--prefix-repetition-suffix-len",
-        type=int,
-        default=PrefixRepetitionSpec.suffix_len,
-        help="tokens",
-    )
-    g.add_argument(
-        "--prefix-repetition-output-len",
-        type=int,
-        default=PrefixRepetitionSpec.output_len,
-        help="tokens",
-    )
-    g.add_argument("--mixed-short-len", type=int, default=MixedSpec.short_len, help="tokens")
-    g.add_argument("--mixed-long-len", type=int, default=MixedSpec.long_len, help="tokens")
-    g.add_argument(
-        "--mixed-long-fraction",
-        type=float,
-        default=MixedSpec.long_fraction,
-        help="share of long prompts (outputs: --random-output-len)",
-    )
-
-
-def _add_load_flags(g: argparse._ArgumentGroup) -> None:
-    g.add_argument(
-        "--request-rate", type=float, default=float("inf"), help="req/s; inf sends all at once"
-    )
-    g.add_argument(
-        "--burstiness", type=float, default=1.0, help="1: Poisson; gamma shape of the gaps"
-    )
-    g.add_argument("--max-concurrency", type=int, help="requests in flight at most")
-    g.add_argument("--num-warmups", type=int, default=0, help="unmeasured requests first")
-    g.add_argument("--max-duration", type=float, metavar="S", help="end the run after S seconds")
-    g.add_argument("--ignore-eos", action="store_true", help="generate all max_tokens")
-    g.add_argument("--temperature", type=float, default=0.0, help="sampling temperature")
-    g.add_argument("--top-p", type=float, help="(default: the server's)")
-    g.add_argument("--top-k", type=int, help="(default: the server's)")
-    g.add_argument(
-        "--sweep",
-        metavar="NAME=V1,V2,...",
-        help="one run per value of request-rate or max-concurrency, e.g. request-rate=1,2,4",
-    )
-
-
-def _add_output_flags(g: argparse._ArgumentGroup) -> None:
-    g.add_argument("--metric-percentiles", default="50,90,99", help="comma-separated")
-    g.add_argument("--goodput", nargs="+", metavar="KEY:MS", help="SLOs: ttft:MS tpot:MS e2el:MS")
-    g.add_argument("--save-result", type=Path, metavar="PATH", help="write the JSON result here")
-    g.add_argument("--plot", type=Path, metavar="DIR", help="write PNG plots here")
-    g.add_argument("--label", help="name of this run in comparisons")
-    g.add_argument("--disable-tqdm", action="store_true", help="no progress bar")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -178,19 +72,14 @@ def run(args: argparse.Namespace) -> int:
 
 
 def config_from_args(args: argparse.Namespace) -> BenchConfig:
-    from loadtest.config import parse_goodput, parse_percentiles
     from loadtest.sweep import parse_sweep
 
+    refuse_unhonoured(args)
+    args = _with_general_lengths(args)
     return BenchConfig(
-        target=TargetConfig(
-            base_url=args.base_url,
-            endpoint=args.endpoint,
-            model=args.model,
-            api_key=args.api_key,
-            request_timeout_s=args.request_timeout,
-        ),
+        target=_target_config(args),
         dataset=DatasetConfig(_dataset_spec(args), num_prompts=args.num_prompts, seed=args.seed),
-        sampling=SamplingConfig(args.temperature, args.top_p, args.top_k, args.ignore_eos),
+        sampling=_sampling_config(args),
         load=LoadConfig(
             request_rate=args.request_rate,
             burstiness=args.burstiness,
@@ -199,26 +88,119 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
             max_duration_s=args.max_duration,
             seed=args.seed,
         ),
-        output=OutputConfig(
-            percentiles=parse_percentiles(args.metric_percentiles),
-            goodput=parse_goodput(args.goodput) if args.goodput else None,
-            label=args.label,
-            save_result=args.save_result,
-            plot_dir=args.plot,
-            show_progress=not args.disable_tqdm,
-        ),
+        output=_output_config(args),
         tokenizer=args.tokenizer,
+        trust_remote_code=args.trust_remote_code,
         sweep=parse_sweep(args.sweep) if args.sweep else None,
     )
 
 
+def _with_general_lengths(args: argparse.Namespace) -> argparse.Namespace:
+    """vLLM's --input-len / --output-len, written over the per-dataset lengths."""
+    lengths = {}
+    if args.input_len is not None:
+        lengths["random_input_len"] = args.input_len
+    if args.output_len is not None:
+        for name in ("random", "sharegpt", "prefix_repetition"):
+            lengths[f"{name}_output_len"] = args.output_len
+    return argparse.Namespace(**{**vars(args), **lengths})
+
+
+def _target_config(args: argparse.Namespace) -> TargetConfig:
+    from loadtest.config import parse_pairs
+
+    if args.backend is not None and args.backend not in BACKENDS:
+        raise BenchError(
+            f"--backend {args.backend} is not supported by tandem bench "
+            f"(it sends {', '.join(BACKENDS)})"
+        )
+    return TargetConfig(
+        base_url=args.base_url or f"http://{_host_port(args.host, args.port)}",
+        endpoint=args.endpoint,
+        model=args.model,
+        api_key=args.api_key or os.environ.get("OPENAI_API_KEY"),
+        request_timeout_s=args.request_timeout,
+        backend=None if args.backend is None else Backend(args.backend),
+        served_model_name=args.served_model_name,
+        headers=parse_pairs(args.header, "--header") if args.header else (),
+    )
+
+
+def _host_port(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"  # an IPv6 address in brackets
+
+
+def _sampling_config(args: argparse.Namespace) -> SamplingConfig:
+    return SamplingConfig(
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        ignore_eos=args.ignore_eos,
+        min_p=args.min_p,
+        frequency_penalty=args.frequency_penalty,
+        presence_penalty=args.presence_penalty,
+        repetition_penalty=args.repetition_penalty,
+        extra_body=_json_object(args.extra_body, "--extra-body") if args.extra_body else None,
+    )
+
+
+def _json_object(text: str, flag: str) -> dict[str, object]:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as err:
+        raise BenchError(f"{flag} {text!r} is not valid JSON: {err.msg}") from None
+    if not isinstance(value, dict):
+        raise BenchError(f"{flag} {text!r} is not a JSON object")
+    return value
+
+
+def _output_config(args: argparse.Namespace) -> OutputConfig:
+    from loadtest.config import (
+        METRICS,
+        parse_goodput,
+        parse_pairs,
+        parse_percentile_metrics,
+        parse_percentiles,
+    )
+
+    metrics = args.percentile_metrics
+    return OutputConfig(
+        percentiles=parse_percentiles(args.metric_percentiles),
+        percentile_metrics=parse_percentile_metrics(metrics) if metrics else METRICS,
+        goodput=parse_goodput(args.goodput) if args.goodput else None,
+        label=args.label,
+        save_result=_result_file(args),
+        metadata=parse_pairs(args.metadata, "--metadata") if args.metadata else (),
+        plot_dir=args.plot,
+        show_progress=not args.disable_tqdm,
+    )
+
+
+def _result_file(args: argparse.Namespace) -> ResultFile | None:
+    if args.result_path is not None:
+        if args.result_dir is not None or args.result_filename is not None:
+            raise BenchError("--result-path is a whole path; drop --result-dir/--result-filename")
+        return ResultFile(filename=str(args.result_path))
+    if not args.save_result:
+        return None  # as vLLM: --result-dir and --result-filename alone save nothing
+    return ResultFile(args.result_dir, args.result_filename)
+
+
 def _dataset_spec(args: argparse.Namespace) -> DatasetSpec:
+    name = DATASET_ALIASES.get(args.dataset_name, args.dataset_name)
+    if name not in DATASETS:
+        raise BenchError(
+            f"--dataset-name {args.dataset_name} is not supported by tandem bench "
+            f"(it has {', '.join(DATASETS)})"
+        )
+    if args.dataset_path is not None and name != "sharegpt":
+        raise BenchError(f"--dataset-path is read by --dataset-name sharegpt only, not {name}")
     builders: dict[str, Callable[[argparse.Namespace], DatasetSpec]] = {
         "random": lambda a: RandomSpec(
             a.random_input_len, a.random_output_len, a.random_range_ratio, a.random_prefix_len
         ),
         "sharegpt": _sharegpt_spec,
-        "prefix-repetition": lambda a: PrefixRepetitionSpec(
+        "prefix_repetition": lambda a: PrefixRepetitionSpec(
             a.prefix_repetition_num_prefixes,
             a.prefix_repetition_prefix_len,
             a.prefix_repetition_suffix_len,
@@ -232,13 +214,15 @@ def _dataset_spec(args: argparse.Namespace) -> DatasetSpec:
             a.random_range_ratio,
         ),
     }
-    return builders[args.dataset_name](args)
+    return builders[name](args)
 
 
 def _sharegpt_spec(args: argparse.Namespace) -> ShareGPTSpec:
     if args.dataset_path is None:
         raise BenchError("--dataset-name sharegpt needs --dataset-path")
-    return ShareGPTSpec(args.dataset_path, args.sharegpt_output_len)
+    return ShareGPTSpec(
+        args.dataset_path, args.sharegpt_output_len, shuffle=not args.disable_shuffle
+    )
 
 
 def _compare(paths: list[Path], plot_dir: Path | None) -> int:

@@ -51,10 +51,15 @@ def build_payload(target: Target, sample: SampleRequest, sampling: SamplingConfi
         "temperature": sampling.temperature,
         "top_p": sampling.top_p,
         "top_k": sampling.top_k,
+        "min_p": sampling.min_p,
+        "frequency_penalty": sampling.frequency_penalty,
+        "presence_penalty": sampling.presence_penalty,
+        "repetition_penalty": sampling.repetition_penalty,
     }
     payload.update({key: value for key, value in optional.items() if value is not None})
     if sampling.ignore_eos:
         payload["ignore_eos"] = True
+    payload.update(sampling.extra_body or {})  # last, as vLLM's --extra-body
     return payload
 
 

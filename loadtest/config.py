@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import enum
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import ClassVar
@@ -12,6 +13,15 @@ from typing import ClassVar
 from loadtest.errors import BenchError
 
 CHAT_SUFFIX = "/chat/completions"
+METRICS = ("ttft", "tpot", "itl", "e2el")
+
+
+class Backend(enum.Enum):
+    """vLLM's `--backend` names for the request formats tandem sends."""
+
+    OPENAI = "openai"  # /v1/completions
+    VLLM = "vllm"  # the same requests as openai
+    OPENAI_CHAT = "openai-chat"  # /v1/chat/completions
 
 
 @dataclass(frozen=True)
@@ -21,6 +31,9 @@ class TargetConfig:
     model: str | None  # None: the first id the server lists at /v1/models
     api_key: str | None
     request_timeout_s: float
+    backend: Backend | None = None  # None: chat or not as the endpoint says
+    served_model_name: str | None = None  # the model field of requests, when not `model`
+    headers: tuple[tuple[str, str], ...] = ()  # sent with every request, after Authorization
 
     def __post_init__(self) -> None:
         if not self.base_url.startswith(("http://", "https://")):
@@ -30,10 +43,31 @@ class TargetConfig:
         if not self.endpoint.startswith("/"):
             raise BenchError(f"--endpoint must start with '/', got {self.endpoint!r}")
         _require(self.request_timeout_s > 0, "--request-timeout must be > 0")
+        if self.backend is not None and (self.backend is Backend.OPENAI_CHAT) != self.is_chat:
+            raise BenchError(_backend_mismatch(self.backend, self.endpoint))
 
     @property
     def is_chat(self) -> bool:
         return self.endpoint.rstrip("/").endswith(CHAT_SUFFIX)
+
+    @property
+    def backend_name(self) -> str:
+        """vLLM's `endpoint_type`: the --backend given, else the one the endpoint implies."""
+        if self.backend is not None:
+            return self.backend.value
+        return (Backend.OPENAI_CHAT if self.is_chat else Backend.OPENAI).value
+
+
+def _backend_mismatch(backend: Backend, endpoint: str) -> str:
+    if backend is Backend.OPENAI_CHAT:
+        return (
+            f"--backend openai-chat sends chat requests, but --endpoint {endpoint} is not "
+            f"a chat endpoint (use --endpoint /v1{CHAT_SUFFIX})"
+        )
+    return (
+        f"--backend {backend.value} sends completions requests, but --endpoint {endpoint} "
+        "is a chat endpoint (use --backend openai-chat)"
+    )
 
 
 @dataclass(frozen=True)
@@ -44,6 +78,11 @@ class SamplingConfig:
     top_p: float | None = None
     top_k: int | None = None
     ignore_eos: bool = False
+    min_p: float | None = None
+    frequency_penalty: float | None = None
+    presence_penalty: float | None = None
+    repetition_penalty: float | None = None
+    extra_body: Mapping[str, object] | None = None  # merged into every request body last
 
 
 @dataclass(frozen=True)
@@ -84,11 +123,12 @@ class ShareGPTSpec:
     name: ClassVar[str] = "sharegpt"
     path: Path
     output_len: int | None = None  # None: the length of the recorded reply
+    shuffle: bool = True  # False: conversations in file order (vLLM's --disable-shuffle)
 
 
 @dataclass(frozen=True)
 class PrefixRepetitionSpec:
-    name: ClassVar[str] = "prefix-repetition"
+    name: ClassVar[str] = "prefix_repetition"
     num_prefixes: int = 10
     prefix_len: int = 256
     suffix_len: int = 256
@@ -142,11 +182,22 @@ class GoodputSLO:
 
 
 @dataclass(frozen=True)
+class ResultFile:
+    """Where --save-result writes: `filename` (a path of its own when `directory` is None), else
+    vLLM's default name, inside `directory`, else the working directory."""
+
+    directory: Path | None = None
+    filename: str | None = None
+
+
+@dataclass(frozen=True)
 class OutputConfig:
     percentiles: tuple[float, ...] = (50.0, 90.0, 99.0)
+    percentile_metrics: tuple[str, ...] = METRICS  # the console shows these; JSON has all
     goodput: GoodputSLO | None = None
     label: str | None = None
-    save_result: Path | None = None
+    save_result: ResultFile | None = None  # None: nothing is saved
+    metadata: tuple[tuple[str, str], ...] = ()  # extra top-level keys of the saved record
     plot_dir: Path | None = None
     show_progress: bool = True
 
@@ -170,6 +221,7 @@ class BenchConfig:
     load: LoadConfig
     output: OutputConfig
     tokenizer: Path | None = None  # None: count tokens with the server's /tokenize
+    trust_remote_code: bool = False  # passed to the local tokenizer's loader
     sweep: SweepSpec | None = None  # None: a single run at `load`
 
 
@@ -192,6 +244,29 @@ def parse_percentiles(text: str) -> tuple[float, ...]:
     if any(p > 100 for p in values):
         raise BenchError(f"--metric-percentiles {text!r}: percentiles must be in (0, 100]")
     return tuple(sorted(values | {99.0}))
+
+
+def parse_percentile_metrics(text: str) -> tuple[str, ...]:
+    """'ttft,itl' -> ('ttft', 'itl'), in the order given."""
+    names = tuple(name.strip() for name in text.split(","))
+    for name in names:
+        if name not in METRICS:
+            raise BenchError(
+                f"--percentile-metrics {text!r}: {name!r} is not one tandem measures "
+                f"({', '.join(METRICS)})"
+            )
+    return tuple(dict.fromkeys(names))
+
+
+def parse_pairs(items: list[str], flag: str) -> tuple[tuple[str, str], ...]:
+    """['k=v', ...] -> (('k', 'v'), ...), as vLLM's --header and --metadata take them."""
+    pairs = []
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise BenchError(f"{flag} {item!r}: expected KEY=VALUE")
+        pairs.append((key.strip(), value.strip()))
+    return tuple(pairs)
 
 
 def _positive_float(text: str, what: str) -> float:

@@ -43,6 +43,8 @@ class BenchmarkMetrics:
     tpot: Distribution
     itl: Distribution
     e2el: Distribution
+    max_output_tokens_per_s: float  # the most text chunks in one second, as vLLM counts them
+    max_concurrent_requests: int  # the most requests between send and last chunk at once
 
 
 def summarize(values_s: Sequence[float], percentiles: Sequence[float]) -> Distribution:
@@ -107,4 +109,36 @@ def compute_metrics(
         tpot=summarize(tpots, percentiles),
         itl=summarize([gap for r in done for gap in r.itl], percentiles),
         e2el=summarize([r.latency for r in done if r.latency is not None], percentiles),
+        max_output_tokens_per_s=peak_chunks_per_s(done),
+        max_concurrent_requests=peak_concurrency(done),
     )
+
+
+def chunk_times(result: RequestResult) -> list[float]:
+    """perf_counter times of the chunks carrying generated text."""
+    if result.ttft is None:
+        return []
+    first = result.sent_at + result.ttft
+    return [first, *(first + gap for gap in np.cumsum(result.itl))]
+
+
+def peak_chunks_per_s(done: Sequence[RequestResult]) -> float:
+    """vLLM's max_output_tokens_per_s: text chunks (one counted as one token) in the busiest
+    whole second, seconds counted from the first send."""
+    times = [t for r in done for t in chunk_times(r)]
+    if not times:
+        return 0.0
+    start = min(r.sent_at for r in done)
+    seconds = np.floor(np.asarray(times) - start).astype(int)
+    return float(np.bincount(seconds[seconds >= 0]).max())
+
+
+def peak_concurrency(done: Sequence[RequestResult]) -> int:
+    """The most requests in flight at once, each over [sent, sent + E2EL)."""
+    events = [(r.sent_at, 1) for r in done if r.latency is not None]
+    events += [(r.sent_at + r.latency, -1) for r in done if r.latency is not None]
+    level = peak = 0
+    for _, step in sorted(events):  # at a tie an end (-1) sorts before a start
+        level += step
+        peak = max(peak, level)
+    return peak

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
+
+from loadtest.config import METRICS
 
 WIDTH = 50
 LABEL_WIDTH = 40
@@ -17,10 +19,13 @@ SECTIONS = (
 )
 
 
-def format_record(record: Mapping[str, Any]) -> str:
+def format_record(record: Mapping[str, Any], metrics: Sequence[str] = METRICS) -> str:
+    """The summary, then a section for each of `metrics` (--percentile-metrics)."""
     lines = [" Serving Benchmark Result ".center(WIDTH, "=")]
     lines += _row_lines(_summary_rows(record))
     for key, short, title in SECTIONS:
+        if key not in metrics:
+            continue
         lines.append(f" {title} ".center(WIDTH, "-"))
         lines += _row_lines(_latency_rows(record, key, short))
     lines.append("=" * WIDTH)

@@ -1,6 +1,7 @@
 """The result record of one run: a JSON-ready dict with vLLM's `bench serve` keys, plus tandem's
-extras (`e2els`, `start_times`, `aborted_requests`, `unsent_requests`, run settings). Per-request
-lists are parallel and cover every finished request, failed ones included, as in vLLM."""
+extras (`e2els`, `aborted_requests`, `unsent_requests`, run settings). Per-request lists are
+parallel and cover every finished request, failed ones included, as in vLLM. Saved under the
+file name vLLM would give it unless one is named."""
 
 from __future__ import annotations
 
@@ -10,11 +11,11 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from loadtest.client import RequestResult
+from loadtest.config import METRICS, ResultFile
 from loadtest.errors import BenchError
 from loadtest.metrics import BenchmarkMetrics, Distribution, output_len
 from loadtest.runner import RunOutcome
 
-METRICS = ("ttft", "tpot", "itl", "e2el")
 REQUIRED_KEYS = ("duration", "completed", "ttfts", "itls", "output_lens", "errors")
 
 Record = dict[str, Any]  # one run's result, as saved to JSON
@@ -60,6 +61,8 @@ def result_record(
         request_goodput=metrics.request_goodput,
         output_throughput=metrics.output_throughput,
         total_token_throughput=metrics.total_token_throughput,
+        max_output_tokens_per_s=metrics.max_output_tokens_per_s,
+        max_concurrent_requests=metrics.max_concurrent_requests,
     )
     for name in METRICS:
         record.update(_distribution_keys(name, getattr(metrics, name)))
@@ -80,6 +83,7 @@ def _per_request_lists(results: Sequence[RequestResult], started_at: float) -> d
         "output_lens": [output_len(r) for r in results],
         "ttfts": [_or_zero(r.ttft) for r in results],
         "itls": [list(r.itl) for r in results],
+        "latencies": [_or_zero(r.latency) for r in results],
         "e2els": [_or_zero(r.latency) for r in results],
         "start_times": [r.sent_at - started_at for r in results],
         "generated_texts": [r.generated_text for r in results],
@@ -97,6 +101,28 @@ def request_rows(record: Mapping[str, Any]) -> list[RequestRow]:
     e2els = record.get("e2els") or [0.0] * count
     columns = (starts, record["ttfts"], record["itls"], e2els, record["output_lens"])
     return [RequestRow(*fields) for fields in zip(*columns, record["errors"], strict=True)]
+
+
+def default_result_filename(record: Mapping[str, Any]) -> str:
+    """vLLM's name: {label or backend}-{request_rate}qps[-concurrency{N}]-{model}-{date}.json,
+    the model's last path part; a sweep's names its parameter where the rate would be."""
+    if "sweep" in record:
+        first = record["runs"][0]
+        load = f"sweep-{record['sweep']['parameter']}"
+    else:
+        first = record
+        concurrency = first["max_concurrency"]
+        load = f"{first['request_rate']}qps" + (
+            "" if concurrency is None else f"-concurrency{concurrency}"
+        )
+    label = first["label"] or first["backend"]
+    model = str(first["model_id"]).split("/")[-1]
+    return f"{label}-{load}-{model}-{first['date']}.json"
+
+
+def result_path(where: ResultFile, record: Mapping[str, Any]) -> Path:
+    name = Path(where.filename or default_result_filename(record))
+    return name if where.directory is None else where.directory / name
 
 
 def save_record(record: Mapping[str, Any], path: Path) -> None:

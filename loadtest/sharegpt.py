@@ -41,10 +41,12 @@ def load_conversations(path: Path) -> list[tuple[str, str]]:
 def sample_sharegpt(
     spec: ShareGPTSpec, num_prompts: int, rng: np.random.Generator, counter: TokenCounter
 ) -> list[SampleRequest]:
-    """Up to `num_prompts` conversations in seeded random order, skipping ones too short or long."""
+    """Up to `num_prompts` conversations in seeded random order (file order without shuffle),
+    skipping ones too short or long."""
     pairs = load_conversations(spec.path)
     samples: list[SampleRequest] = []
-    for index in rng.permutation(len(pairs)):
+    order = rng.permutation(len(pairs)) if spec.shuffle else range(len(pairs))
+    for index in order:
         if len(samples) == num_prompts:
             break
         prompt, reply = pairs[index]

@@ -19,10 +19,11 @@ class Target:
 
 
 def build_target(config: TargetConfig, model: str) -> Target:
+    """`model` is the resolved model id; requests name --served-model-name instead when given."""
     return Target(
         url=config.base_url.rstrip("/") + config.endpoint,
-        model=model,
-        headers=auth_headers(config.api_key),
+        model=config.served_model_name or model,
+        headers=request_headers(config),
         is_chat=config.is_chat,
     )
 
@@ -31,13 +32,18 @@ def auth_headers(api_key: str | None) -> dict[str, str]:
     return {} if api_key is None else {"Authorization": f"Bearer {api_key}"}
 
 
+def request_headers(config: TargetConfig) -> dict[str, str]:
+    """Authorization from --api-key, then every --header, which wins (as in vLLM)."""
+    return auth_headers(config.api_key) | dict(config.headers)
+
+
 def resolve_model(client: httpx.Client, config: TargetConfig) -> str:
     """The configured model, else the first id the server lists at /v1/models."""
     if config.model is not None:
         return config.model
     url = config.base_url.rstrip("/") + "/v1/models"
     try:
-        response = client.get(url, headers=auth_headers(config.api_key))
+        response = client.get(url, headers=request_headers(config))
     except httpx.HTTPError as err:
         raise BenchError(f"cannot reach {url}: {one_line(str(err)) or type(err).__name__}") from err
     if response.status_code != 200:

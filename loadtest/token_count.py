@@ -18,15 +18,18 @@ class TokenCounter(Protocol):
 
 
 class LocalTokenizer:
-    """A tokenizer folder loaded with transformers' AutoTokenizer."""
+    """A tokenizer loaded with transformers' AutoTokenizer: a folder, or (as vLLM's --tokenizer
+    takes it) a Hugging Face id such as org/name, from the local cache or the Hub."""
 
-    def __init__(self, folder: Path) -> None:
-        if not folder.is_dir():
+    def __init__(self, folder: Path, trust_remote_code: bool = False) -> None:
+        if not folder.is_dir() and not _looks_like_hub_id(folder):
             raise BenchError(f"tokenizer folder {folder} does not exist")
         from transformers import AutoTokenizer
 
         try:
-            self._tokenizer = AutoTokenizer.from_pretrained(str(folder))
+            self._tokenizer = AutoTokenizer.from_pretrained(
+                str(folder), trust_remote_code=trust_remote_code
+            )
         except (OSError, ValueError) as err:
             raise BenchError(
                 f"cannot load a tokenizer from {folder}: {one_line(str(err))}"
@@ -70,10 +73,21 @@ def _count_from(response: httpx.Response, url: str) -> int:
     raise BenchError(f"{url} answered without 'count' or 'tokens': {one_line(response.text)}")
 
 
+def _looks_like_hub_id(path: Path) -> bool:
+    """org/name or name: relative, not starting with '.' or '~', and nothing of it exists."""
+    text = str(path)
+    relative = not path.is_absolute() and not text.startswith((".", "~"))
+    return relative and len(path.parts) <= 2 and not path.exists()
+
+
 def open_counter(
-    tokenizer: Path | None, client: httpx.Client, base_url: str, model: str
+    tokenizer: Path | None,
+    client: httpx.Client,
+    base_url: str,
+    model: str,
+    trust_remote_code: bool = False,
 ) -> TokenCounter:
-    """The local tokenizer when a folder is given, else the server's /tokenize."""
+    """The local tokenizer when one is named, else the server's /tokenize."""
     if tokenizer is not None:
-        return LocalTokenizer(tokenizer)
+        return LocalTokenizer(tokenizer, trust_remote_code)
     return ServerTokenizer(client, base_url, model)

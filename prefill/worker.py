@@ -215,7 +215,11 @@ class PrefillWorker:
 
     def _stats(self) -> WorkerStats:
         return WorkerStats.of(
-            self.worker_id, "prefill", self.engine.snapshot(), **self.transfers.fields()
+            self.worker_id,
+            "prefill",
+            self.engine.snapshot(),
+            **self.transfers.fields(),
+            **self.thread.steps.fields(),
         )
 
     def _transfer_finished(

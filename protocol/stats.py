@@ -97,6 +97,9 @@ class WorkerStats:
     requests_prefilled_locally: int = 0
     kv_transport: str = ""  # gloo | nccl | ucx; empty where nothing moves
     stale: bool = False  # the worker missed its last report; these are older values
+    engine_busy_seconds: float = 0.0  # time its engine thread spent inside step()
+    engine_step_count: int = 0
+    engine_step_buckets: tuple[int, ...] = (0,) * len(TRANSFER_BUCKETS)  # cumulative counts
 
     @classmethod
     def of(cls, worker: str, pool: str, engine: EngineSnapshot, **transfer: object) -> WorkerStats:
@@ -108,6 +111,21 @@ class WorkerStats:
         if not self.num_total_blocks:
             return 0.0
         return 1.0 - self.num_free_blocks / self.num_total_blocks
+
+
+@dataclass
+class StepTimer:
+    """How long an engine's steps take (written by its thread only)."""
+
+    seconds: Histogram = field(default_factory=Histogram)
+
+    def fields(self) -> dict[str, object]:
+        """WorkerStats fields for these timings."""
+        return {
+            "engine_busy_seconds": self.seconds.total,
+            "engine_step_count": self.seconds.count,
+            "engine_step_buckets": self.seconds.cumulative(),
+        }
 
 
 @dataclass

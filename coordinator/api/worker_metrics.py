@@ -38,6 +38,8 @@ COUNTERS = (
     ("tandem:kv_transfer_failures", "KV transfers that failed.", "kv_transfer_failures"),
     ("tandem:requests_prefilled_locally", "Requests a decode worker prefilled itself.",
      "requests_prefilled_locally"),
+    ("tandem:engine_busy_seconds", "Time the worker's engine thread spent inside step(): its "
+     "busy fraction is this counter's rate.", "engine_busy_seconds"),
 )  # fmt: skip
 
 
@@ -68,6 +70,7 @@ class WorkerStatsCollector(Collector):
                 family.add_metric(self._labels(s), float(getattr(s, attribute)))
             yield family
         yield self._transfer_seconds(snapshot)
+        yield self._step_seconds(snapshot)
         yield self._pool_queue_depth(snapshot)
         yield self._transport(snapshot)
         yield from self._pool_states(self.pools())
@@ -111,18 +114,30 @@ class WorkerStatsCollector(Collector):
         return [self.model, s.worker, s.pool]
 
     def _transfer_seconds(self, snapshot: list[WorkerStats]) -> Metric:
-        family = HistogramMetricFamily(
-            "tandem:kv_transfer_seconds",
-            "Duration of one request's KV transfer.",
-            labels=WORKER_LABELS,
-        )
+        return self._histogram(
+            "tandem:kv_transfer_seconds", "Duration of one request's KV transfer.", snapshot,
+            lambda s: (s.kv_transfer_buckets, s.kv_transfer_count, s.kv_transfer_seconds_sum),
+        )  # fmt: skip
+
+    def _step_seconds(self, snapshot: list[WorkerStats]) -> Metric:
+        return self._histogram(
+            "tandem:engine_step_seconds", "Duration of one engine step.", snapshot,
+            lambda s: (s.engine_step_buckets, s.engine_step_count, s.engine_busy_seconds),
+        )  # fmt: skip
+
+    def _histogram(
+        self,
+        name: str,
+        text: str,
+        snapshot: list[WorkerStats],
+        series: Callable[[WorkerStats], tuple[tuple[int, ...], int, float]],
+    ) -> Metric:
+        """A histogram family from each worker's (cumulative bucket counts, count, sum)."""
+        family = HistogramMetricFamily(name, text, labels=WORKER_LABELS)
         for s in snapshot:
-            buckets = [
-                (str(bound), n)
-                for bound, n in zip(TRANSFER_BUCKETS, s.kv_transfer_buckets, strict=True)
-            ]
-            buckets.append(("+Inf", s.kv_transfer_count))
-            family.add_metric(self._labels(s), buckets, s.kv_transfer_seconds_sum)
+            counts, count, total = series(s)
+            buckets = [(str(b), n) for b, n in zip(TRANSFER_BUCKETS, counts, strict=True)]
+            family.add_metric(self._labels(s), [*buckets, ("+Inf", count)], total)
         return family
 
     def _transport(self, snapshot: list[WorkerStats]) -> Metric:

@@ -10,31 +10,17 @@ import socket
 import httpx
 import pytest
 
-import coordinator.coordinator as coordinator_module
 from cli.main import main
-from coordinator.api.app import create_app
-from coordinator.api.settings import ServerSettings
-from coordinator.coordinator import CoordinatorConfig
-from coordinator.supervisor import SupervisorConfig
-from tests.support.fake_workers import FakeCluster, FakeDecodeActor
-from tests.support.servers import ServerThread
+from tests.support.fake_workers import FakeDecodeActor, served_fake_cluster
 
 KEY = "pool-secret"
-CONFIG = CoordinatorConfig(
-    block_size=4,
-    supervision=SupervisorConfig(probe_interval=0.02, probe_timeout=0.2, restart_backoff=0.01),
-)
 
 
 @pytest.fixture
 def server_url(monkeypatch):
-    monkeypatch.setattr(coordinator_module, "POLL_SECONDS", 0.02)
-    monkeypatch.setattr("ray.kill", lambda handle: None)
     monkeypatch.delenv("TANDEM_API_KEY", raising=False)
-    cluster = FakeCluster(CONFIG, num_prefill=1, num_decode=1, spawn=True)
-    server = ServerThread(create_app(cluster.coordinator, ServerSettings(api_key=KEY))).start()
-    yield server.url
-    server.stop()
+    with served_fake_cluster(monkeypatch, KEY) as (_, url):
+        yield url
 
 
 def pool(url: str, *args: str, key: str = KEY) -> int:

@@ -13,7 +13,7 @@ import pytest
 import coordinator.coordinator as coordinator_module
 from coordinator.coordinator import CoordinatorConfig
 from coordinator.supervisor import SupervisorConfig
-from protocol.errors import PoolError
+from protocol.errors import EngineDeadError, PoolError
 from protocol.sampling import SamplingParams
 from tests.support.fake_workers import OUTPUT, FakeCluster
 
@@ -218,5 +218,36 @@ def test_role_switch_moves_running_decodes_and_loses_nothing(killed) -> None:
             assert await tokens_of(coordinator, "back") == OUTPUT[:8]
             with pytest.raises(PoolError):
                 await coordinator.switch_role("decode-1", "colocated")
+
+    run(main())
+
+
+def test_a_worker_ray_cannot_place_fails_the_start_with_what_it_asked(killed) -> None:
+    async def main() -> None:
+        config = CoordinatorConfig(block_size=4, placement_timeout=0.05, supervision=SUPERVISION)
+        cluster = FakeCluster(config, num_prefill=1, num_decode=1)
+        cluster.prefiller().frozen = True  # never placed: ping() never answers
+
+        def unplaced(workers):
+            assert set(workers) == {"prefill-0", "decode-0"}
+            return "Ray placed no process for prefill-0 within 0.05s: each worker asks for ..."
+
+        cluster.coordinator._unplaced = unplaced
+        started = time.monotonic()
+        with pytest.raises(EngineDeadError, match="placed no process for prefill-0"):
+            await cluster.coordinator.ready()
+        assert time.monotonic() - started < 1.0
+
+    run(main())
+
+
+def test_slow_model_loading_is_not_a_placement_failure(killed) -> None:
+    async def main() -> None:
+        config = CoordinatorConfig(block_size=4, placement_timeout=0.01, supervision=SUPERVISION)
+        cluster = FakeCluster(config)
+        cluster.prefiller().ping_delay = 0.2  # placed, still loading its model
+        cluster.coordinator._unplaced = lambda workers: None
+        async with cluster.running() as coordinator:
+            assert await tokens_of(coordinator) == OUTPUT[:8]
 
     run(main())

@@ -6,7 +6,10 @@ import os
 
 import pytest
 
+from engine.llm import LLM
+from protocol.sampling import SamplingParams
 from tests.support.loop import LoopThread
+from tests.support.prompts import mixed_prompts
 
 
 @pytest.fixture(scope="session")
@@ -50,3 +53,18 @@ def build_pool(ray_cluster, loop):
         loop.run(client.shutdown())
         for worker in (*client.prefill.values(), *client.decode.values()):
             ray_cluster.kill(worker)
+
+
+GREEDY = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def prompts(tiny_llama) -> list[list[int]]:
+    vocab = LLM(tiny_llama, dtype="float32").engine.model_config.vocab_size
+    return mixed_prompts(vocab, count=6, seed=5)
+
+
+@pytest.fixture(scope="module")
+def expected(tiny_llama, prompts) -> list[list[int]]:
+    llm = LLM(tiny_llama, dtype="float32", block_size=4)
+    return [out.token_ids for out in llm.generate_ids(prompts, GREEDY)]

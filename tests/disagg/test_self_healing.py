@@ -11,28 +11,13 @@ import os
 import signal
 import time
 
-import pytest
 import ray
 
-from engine.llm import LLM
 from protocol.sampling import SamplingParams
 from tests.disagg.test_failures import assert_all_blocks_free, generate_all
-from tests.support.prompts import mixed_prompts
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
 HEAL_TIMEOUT_S = 120  # a replacement loads the model: seconds on this machine
-
-
-@pytest.fixture(scope="module")
-def prompts(tiny_llama) -> list[list[int]]:
-    vocab = LLM(tiny_llama, dtype="float32").engine.model_config.vocab_size
-    return mixed_prompts(vocab, count=6, seed=11)
-
-
-@pytest.fixture(scope="module")
-def expected(tiny_llama, prompts) -> list[list[int]]:
-    llm = LLM(tiny_llama, dtype="float32", block_size=4)
-    return [out.token_ids for out in llm.generate_ids(prompts, GREEDY)]
 
 
 def run_with(loop, client, prompts, when, action) -> list[list[int]]:

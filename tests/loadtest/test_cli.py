@@ -22,7 +22,7 @@ def test_successful_run_exits_zero(tandem, serve, tmp_path: Path, capsys) -> Non
     server = serve(ttft_s=0.01, itl_s=0.005)
     saved = tmp_path / "r.json"
     argv = ["bench", "--base-url", server.url, "--num-prompts", "3", "--random-input-len", "4"]
-    argv += ["--random-output-len", "2", "--disable-tqdm", "--save-result", str(saved)]
+    argv += ["--random-output-len", "2", "--disable-tqdm", "--result-path", str(saved)]
     assert tandem(argv) == 0
     assert "Successful requests:" + " " * 20 + "3" in capsys.readouterr().out
     assert json.loads(saved.read_text())["completed"] == 3

@@ -143,3 +143,9 @@ def test_malformed_sharegpt_files(tmp_path: Path, content: object, message: str)
 def test_missing_sharegpt_file(tmp_path: Path) -> None:
     with pytest.raises(BenchError, match="does not exist"):
         sample(ShareGPTSpec(tmp_path / "none.json"))
+
+
+def test_sharegpt_in_file_order_without_shuffle(tmp_path: Path) -> None:
+    path = write(tmp_path / "sg.json", [conversation(10 + i, 20) for i in range(6)])
+    samples = sample(ShareGPTSpec(path, shuffle=False), num_prompts=4)
+    assert [s.prompt_len for s in samples] == [10, 11, 12, 13]

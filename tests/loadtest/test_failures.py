@@ -101,7 +101,8 @@ def test_malformed_dataset(serve, tmp_path: Path) -> None:
 def test_errors_mid_run_save_partial_results(serve, tmp_path: Path, failure, reason) -> None:
     server = serve(ttft_s=0.01, itl_s=0.005, failure=failure, fail_from=4)  # the probe is 0
     saved = tmp_path / "out" / "result.json"
-    argv = ("--num-prompts", "6", "--max-concurrency", "1", "--save-result", str(saved))
+    argv = ("--num-prompts", "6", "--max-concurrency", "1", "--save-result")
+    argv += ("--result-dir", str(saved.parent), "--result-filename", saved.name)
     message = bench_error(server.url, *argv)  # the later --num-prompts wins
     assert message.startswith(f"3 of 6 requests failed (first: {reason}")
     assert message.endswith(f"; results saved to {saved}")

@@ -14,7 +14,8 @@ PERCENTILES = (50.0, 90.0, 99.0)
 VLLM_KEYS = (
     "duration", "completed", "failed", "total_input_tokens", "total_output_tokens",
     "request_throughput", "request_goodput", "output_throughput", "total_token_throughput",
-    "ttfts", "itls", "input_lens", "output_lens", "errors", "generated_texts",
+    "ttfts", "itls", "latencies", "input_lens", "output_lens", "errors", "generated_texts",
+    "start_times", "max_output_tokens_per_s", "max_concurrent_requests",
     *(f"{stat}_{metric}_ms" for stat in ("mean", "median", "std", "p50", "p99.9")
       for metric in ("ttft", "tpot", "itl", "e2el")),
 )  # fmt: skip
@@ -107,3 +108,17 @@ def test_record_uses_vllm_keys_and_keeps_failed_requests() -> None:
 def test_percentile_keys_follow_vllm_spelling() -> None:
     assert percentile_key(99.0, "ttft") == "p99_ttft_ms"
     assert percentile_key(99.9, "itl") == "p99.9_itl_ms"
+
+
+def test_peaks_as_vllm_counts_them() -> None:
+    # A, B and C above: every chunk lands in the first second; at most two are in flight (A
+    # until 0.15 s, B over [0.1, 0.35), C over [0.2, 0.5)).
+    m = compute_metrics(RESULTS, duration_s=2.0, percentiles=PERCENTILES, slo=None)
+    assert (m.max_output_tokens_per_s, m.max_concurrent_requests) == (6.0, 2)
+
+
+def test_peaks_with_touching_requests_and_two_seconds() -> None:
+    # [0, 0.5) then [0.5, 1.0): one at a time; their chunks at 0.5 s and 1.0 s: one per second.
+    back_to_back = [ok(0.0, 0.5, (), 1), ok(0.5, 0.5, (), 1)]
+    m = compute_metrics(back_to_back, duration_s=1.0, percentiles=PERCENTILES, slo=None)
+    assert (m.max_output_tokens_per_s, m.max_concurrent_requests) == (1.0, 1)

@@ -66,7 +66,7 @@ def test_bench_a_real_server(server: ServeProcess, tmp_path: Path, capsys) -> No
         "bench", "--base-url", server.url, "--dataset-name", "random",
         "--random-input-len", str(INPUT_LEN), "--random-output-len", str(OUTPUT_LEN),
         "--num-prompts", str(NUM_PROMPTS), "--ignore-eos", "--goodput", "e2el:60000",
-        "--disable-tqdm", "--save-result", str(saved),
+        "--disable-tqdm", "--save-result", "--result-filename", str(saved),
     ]  # fmt: skip
     assert cli.main(argv) == 0, capsys.readouterr().err + server.log  # the `tandem` entry point
     assert "Failed requests:" + " " * 24 + "0" in capsys.readouterr().out
@@ -81,7 +81,7 @@ def test_bench_a_real_server(server: ServeProcess, tmp_path: Path, capsys) -> No
     assert all(text for text in record["generated_texts"])
     # Tokens that end inside a UTF-8 character arrive with the next chunk, so a request has at
     # most OUTPUT_LEN - 1 gaps; its E2EL is its TTFT plus its gaps.
-    for ttft, gaps, e2el in zip(record["ttfts"], record["itls"], record["e2els"], strict=True):
+    for ttft, gaps, e2el in zip(record["ttfts"], record["itls"], record["latencies"], strict=True):
         assert 0 < ttft <= e2el <= record["duration"]
         assert len(gaps) <= OUTPUT_LEN - 1
         assert ttft + sum(gaps) == pytest.approx(e2el)

@@ -42,7 +42,7 @@ def test_concurrency_sweep_finds_the_server_capacity(serve, tmp_path: Path) -> N
     rec = bench(
         server.url, "--random-input-len", "4", "--random-output-len", "3", "--num-prompts", "4",
         "--sweep", "max-concurrency=1,2,4", "--goodput", "e2el:210",
-        "--save-result", str(saved), "--plot", str(plots),
+        "--result-path", str(saved), "--plot", str(plots),
     )  # fmt: skip
     assert rec["sweep"]["knee_value"] == 2
     assert rec["sweep"]["goodput_metric"] == "request_goodput"

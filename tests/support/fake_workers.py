@@ -16,12 +16,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections import defaultdict
-from collections.abc import AsyncIterator, Callable, Coroutine
+from collections.abc import AsyncIterator, Callable, Coroutine, Iterator
 from typing import Any
 
+import pytest
 from ray.exceptions import RayActorError
 
 from coordinator.coordinator import Coordinator, CoordinatorConfig
+from coordinator.supervisor import SupervisorConfig
 from protocol.kv import Endpoint, KVLayout, Ticket
 from protocol.messages import PrefillResult, RequestFailed, TokenUpdate, WorkerUpdate, WorkRequest
 from protocol.sampling import FinishReason
@@ -76,7 +78,26 @@ class FakeHandle:
         return [_request_id(args[0]) for args in self.calls.get(method, [])]
 
 
-class FakeDecodeActor:
+class _FakeProcess:
+    """What every fake worker answers the same way: ping (after loading) and health."""
+
+    max_model_len = MAX_MODEL_LEN
+    frozen = False  # like a SIGSTOPped process: no call answers
+    ping_delay = 0.0  # seconds its model takes to load
+
+    async def ping(self) -> int:
+        if self.frozen:  # never placed, or stopped before its model loaded
+            await asyncio.Event().wait()
+        await asyncio.sleep(self.ping_delay)
+        return self.max_model_len
+
+    async def health(self) -> EngineHealth:
+        if self.frozen:
+            await asyncio.Event().wait()
+        return EngineHealth(alive=True, busy=False, seconds_since_progress=0.0, error=None)
+
+
+class FakeDecodeActor(_FakeProcess):
     """Emits each active request's next `batch` tokens per poll. `failures` maps a worker
     request id to the number of tokens after which that attempt is reported lost
     (RequestFailed); `stall_after` stops every request's tokens after that many; `repeat`
@@ -96,14 +117,7 @@ class FakeDecodeActor:
         self.active: dict[str, tuple[WorkRequest, int]] = {}  # request, next output index
         self._wake = asyncio.Event()
         self.frozen = False  # like a SIGSTOPped process: no call answers
-
-    async def ping(self) -> int:
-        return self.max_model_len
-
-    async def health(self) -> EngineHealth:
-        if self.frozen:  # SIGSTOPped: never answers
-            await asyncio.Event().wait()
-        return EngineHealth(alive=True, busy=False, seconds_since_progress=0.0, error=None)
+        self.ping_delay = 0.0
 
     async def reserve(self, work: WorkRequest, prefill_id: str) -> Ticket | None:
         if self.frozen:
@@ -183,7 +197,7 @@ class FakeDecodeActor:
         return TokenUpdate(work.request_id, index, tokens, logprobs, finish, stop)
 
 
-class FakePrefillActor:
+class FakePrefillActor(_FakeProcess):
     """Hands the decode worker named by the ticket its KV and returns the first token.
     `failures` maps a worker request id to the error its prefill raises; a request id in
     `hangs` never answers."""
@@ -195,14 +209,7 @@ class FakePrefillActor:
         self.failures: dict[str, Exception] = {}
         self.hangs: set[str] = set()
         self.frozen = False  # like a SIGSTOPped process: health() and prefill() never answer
-
-    async def ping(self) -> int:
-        return self.max_model_len
-
-    async def health(self) -> EngineHealth:
-        if self.frozen:  # SIGSTOPped: never answers
-            await asyncio.Event().wait()
-        return EngineHealth(alive=True, busy=False, seconds_since_progress=0.0, error=None)
+        self.ping_delay = 0.0
 
     async def prefill(self, work: WorkRequest, ticket: Ticket) -> PrefillResult:
         if work.request_id in self.failures:
@@ -299,3 +306,29 @@ async def _raise(err: Exception) -> Any:
 
 def _no_roles(role: str, worker_id: str) -> Any:
     raise RuntimeError("this fake worker cannot change roles")
+
+
+ADMIN_SUPERVISION = SupervisorConfig(probe_interval=0.02, probe_timeout=0.2, restart_backoff=0.01)
+
+
+@contextlib.contextmanager
+def served_fake_cluster(
+    monkeypatch: pytest.MonkeyPatch, api_key: str
+) -> Iterator[tuple[FakeCluster, str]]:
+    """A real HTTP server (the app and the Coordinator) over fake workers that can be spawned,
+    with fast polls and probes and no Ray: (the cluster, the server's URL)."""
+    from coordinator.api.app import create_app
+    from coordinator.api.settings import ServerSettings
+    from tests.support.servers import ServerThread
+
+    monkeypatch.setattr("coordinator.coordinator.POLL_SECONDS", 0.02)
+    monkeypatch.setattr("ray.kill", lambda handle: None)
+    config = CoordinatorConfig(block_size=4, supervision=ADMIN_SUPERVISION)
+    cluster = FakeCluster(config, num_prefill=1, num_decode=1, spawn=True)
+    cluster.coordinator.tokenizer.encode = lambda text, **_: [1, 2, 3, 4, 5, 6]
+    app = create_app(cluster.coordinator, ServerSettings(api_key=api_key))
+    server = ServerThread(app).start()
+    try:
+        yield cluster, server.url
+    finally:
+        server.stop()

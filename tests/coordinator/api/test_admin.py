@@ -9,32 +9,20 @@ import time
 import httpx
 import pytest
 
-import coordinator.coordinator as coordinator_module
-from coordinator.api.app import create_app
-from coordinator.api.settings import ServerSettings
-from coordinator.coordinator import CoordinatorConfig
-from coordinator.supervisor import SupervisorConfig
-from tests.support.fake_workers import OUTPUT, FakeCluster
-from tests.support.servers import ServerThread, wait_until
+from tests.support.fake_workers import OUTPUT, served_fake_cluster
+from tests.support.servers import wait_until
 
 KEY = "admin-secret"
 AUTH = {"Authorization": f"Bearer {KEY}"}
-CONFIG = CoordinatorConfig(
-    block_size=4,
-    supervision=SupervisorConfig(probe_interval=0.02, probe_timeout=0.2, restart_backoff=0.01),
-)
 
 
 @pytest.fixture
 def cluster(monkeypatch):
-    monkeypatch.setattr(coordinator_module, "POLL_SECONDS", 0.02)
-    monkeypatch.setattr("ray.kill", lambda handle: None)
-    cluster = FakeCluster(CONFIG, num_prefill=1, num_decode=1, spawn=True)
-    cluster.coordinator.tokenizer.encode = lambda text, **_: [1, 2, 3, 4, 5, 6]
-    server = ServerThread(create_app(cluster.coordinator, ServerSettings(api_key=KEY))).start()
-    with httpx.Client(base_url=server.url, timeout=10) as http:
+    with (
+        served_fake_cluster(monkeypatch, KEY) as (cluster, url),
+        httpx.Client(base_url=url, timeout=10) as http,
+    ):
         yield cluster, http
-    server.stop()
 
 
 def serving(http: httpx.Client, pool: str) -> list[str]:

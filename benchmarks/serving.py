@@ -1,0 +1,727 @@
+"""Served throughput: tandem over HTTP against the same engine driven in-process, same requests.
+
+    python benchmarks/serving.py [--models smollm2 overhead] [--concurrency 16 64] [--rounds 3] \
+        [--num-prompts N] [--output-len 128] [--targets inprocess colocated 1p1d] \
+        [--peer NAME=URL ...] [--json results/serving.json]
+    python benchmarks/serving.py --quick   # 1 round, concurrency 16, overhead model: a few minutes
+
+Targets, measured in interleaved rounds (A B C A B C ...) so a slow spell of the machine lands on
+every target rather than on one:
+
+- inprocess: `AsyncEngine` over `LLMEngine` in this process, driven by asyncio;
+- colocated: `tandem serve --mode colocated --prefill-workers 0 --decode-workers 1` (one worker,
+  every core);
+- 1p1d: `tandem serve --mode disaggregated --prefill-workers 1 --decode-workers 1`;
+- a peer given by `--peer NAME=URL`: any OpenAI-compatible server already running on this host
+  (a vLLM CPU server, say), serving the one model given with `--models`. It runs all along, so it
+  idles beside the other targets.
+
+Each server is started for its round by `ServeProcess`, warmed up, measured at every concurrency
+and stopped before the next target starts; the in-process engine is loaded and dropped the same
+way. Load: `--concurrency` client coroutines, each streaming one request after another from a
+shared list of `--num-prompts` prompts (~100 tokens of words, `--output-len` tokens out, greedy,
+EOS ignored, prefix caching off so every round prefills). The HTTP clients are `tandem bench`'s
+(`loadtest.client.send_request`); the in-process client times the engine's outputs the same way:
+TTFT is send to the first output carrying text, ITL every gap between outputs carrying text,
+output tok/s the tokens of the round over its wall time.
+
+Models: SmolLM2-135M-Instruct, and an "overhead model" made here once (2-layer Llama, hidden 256,
+random weights, SmolLM2's tokenizer; kept in tandem's model cache so a peer can serve it too),
+whose steps are so short that serving overhead shows. The busy fraction is a worker's increase of
+`tandem:engine_busy_seconds_total` over a round's wall time ("-" where /metrics lacks it; the
+in-process engine's is its time inside step()).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import TYPE_CHECKING, Protocol
+
+import httpx
+import numpy as np
+from prometheus_client.parser import text_string_to_metric_families
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from cli.serve import parse_size  # noqa: E402
+from loadtest.client import RequestResult, build_payload, send_request  # noqa: E402
+from loadtest.config import RandomSpec, SamplingConfig, TargetConfig  # noqa: E402
+from loadtest.datasets import sample_random  # noqa: E402
+from loadtest.errors import BenchError, one_line  # noqa: E402
+from loadtest.metrics import compute_metrics  # noqa: E402
+from loadtest.sample import SampleRequest  # noqa: E402
+from loadtest.serve_process import ServeError, ServeProcess  # noqa: E402
+from loadtest.target import Target, build_target, resolve_model  # noqa: E402
+from loadtest.token_count import LocalTokenizer, TokenCounter  # noqa: E402
+
+if TYPE_CHECKING:  # torch loads with the engine: only the in-process target pays for it
+    from transformers import PreTrainedTokenizerBase
+
+    from engine.async_engine import AsyncEngine
+    from engine.config import EngineConfig
+    from engine.engine import LLMEngine
+    from protocol.sampling import SamplingParams
+
+INPROCESS = "inprocess"
+LAYOUTS = {  # served targets: their `tandem serve` layout flags
+    "colocated": ("--mode", "colocated", "--prefill-workers", "0", "--decode-workers", "1"),
+    "1p1d": ("--mode", "disaggregated", "--prefill-workers", "1", "--decode-workers", "1"),
+}
+TARGETS = (INPROCESS, *LAYOUTS)
+MODELS = ("smollm2", "overhead")
+OVERHEAD_DIMS = {
+    "hidden_size": 256,
+    "intermediate_size": 1024,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 64,
+}
+OVERHEAD_NAME = "overhead-llama-l2-h256"
+OVERHEAD_SEED = 0
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "vocab.json",
+    "merges.txt",
+    "added_tokens.json",
+    "chat_template.jinja",
+)
+SAMPLING = SamplingConfig(temperature=0.0, ignore_eos=True)
+PROMPT_SEED = 0
+WARMUP_REQUESTS = 8
+WARMUP_TOKENS = 16
+BUSY_METRIC = "tandem:engine_busy_seconds_total"
+STATS_SETTLE_S = 2.5  # the coordinator refreshes worker stats every second
+START_TIMEOUT_S = 300.0
+STOP_TIMEOUT_S = 60.0
+CONNECT_TIMEOUT_S = 10.0
+METRICS_TIMEOUT_S = 10.0
+LOCAL_HOSTS = ("127.0.0.1", "localhost")
+LATENCY_KEYS = ("ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms")
+QUICK = {"models": ["overhead"], "concurrency": [16], "rounds": 1, "num_prompts": 16}
+
+
+class SessionError(RuntimeError):
+    """A target could not be measured this round (no server, a failed warm-up)."""
+
+
+# ---- the overhead model ----------------------------------------------------------------------
+
+
+def overhead_model(source: Path) -> Path:
+    """The overhead model's folder in tandem's model cache, written once from `source`."""
+    from engine.fetch import cache_root
+
+    dest = cache_root() / "models" / OVERHEAD_NAME
+    if not (dest / "model.safetensors").is_file():
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=dest.parent, prefix=f".{OVERHEAD_NAME}-") as tmp:
+            write_overhead_model(source, Path(tmp) / "model")
+            shutil.rmtree(dest, ignore_errors=True)
+            (Path(tmp) / "model").rename(dest)  # whole or absent, never half-written
+    return dest
+
+
+def write_overhead_model(source: Path, dest: Path, seed: int = OVERHEAD_SEED) -> Path:
+    """A random-weight Llama of OVERHEAD_DIMS with `source`'s vocabulary and tokenizer files."""
+    import torch
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    base = json.loads((source / "config.json").read_text())
+    special = {k: base.get(k) for k in ("bos_token_id", "eos_token_id", "pad_token_id")}
+    config = LlamaConfig(
+        vocab_size=base["vocab_size"],
+        max_position_embeddings=2048,
+        tie_word_embeddings=False,
+        **OVERHEAD_DIMS,
+        **special,
+    )
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(config)
+    silent = silent_token_ids(AutoTokenizer.from_pretrained(str(source)), base["vocab_size"])
+    with torch.no_grad():
+        # Random weights may settle on a token that decodes to no text (a special token, part of
+        # a UTF-8 character), and clients time only chunks carrying text. A zero row scores 0,
+        # far below the largest of the other logits, so greedy decoding never picks these.
+        model.lm_head.weight[silent] = 0.0
+    model.to(torch.bfloat16).save_pretrained(dest)  # transformers 5 writes safetensors only
+    for name in TOKENIZER_FILES:
+        if (source / name).is_file():
+            shutil.copy2(source / name, dest / name)
+    return dest
+
+
+def silent_token_ids(tokenizer: PreTrainedTokenizerBase, vocab_size: int) -> list[int]:
+    """Ids whose text alone is empty or an incomplete character."""
+    texts = (tokenizer.decode([i], skip_special_tokens=True) for i in range(vocab_size))
+    return [i for i, text in enumerate(texts) if not text or "\ufffd" in text]
+
+
+# ---- measuring one target --------------------------------------------------------------------
+
+
+class Endpoint(Protocol):
+    """One target, up: sends a request and times it like `loadtest.client`; reads its engines'
+    busy seconds (None where it does not say)."""
+
+    async def send(self, sample: SampleRequest) -> RequestResult: ...
+
+    async def busy_seconds(self) -> dict[str, float] | None: ...
+
+
+@dataclass(frozen=True)
+class Round:
+    """One target at one concurrency in one round."""
+
+    output_tok_s: float
+    ttft_p50_ms: float
+    ttft_p99_ms: float
+    itl_p50_ms: float
+    itl_p99_ms: float
+    output_tokens: int
+    completed: int
+    failed: int
+    duration_s: float
+    busy: dict[str, float] | None  # worker -> busy fraction
+    first_error: str | None
+
+
+async def drive(
+    send: Callable[[SampleRequest], Awaitable[RequestResult]],
+    samples: Sequence[SampleRequest],
+    concurrency: int,
+) -> tuple[list[RequestResult], float]:
+    """`concurrency` streams, each sending the next unsent sample once its last one is done;
+    returns the results in sample order and the wall time of it all."""
+    pending = iter(range(len(samples)))  # shared: each next() happens on the event loop
+    results: list[RequestResult | None] = [None] * len(samples)
+
+    async def stream() -> None:
+        for index in pending:
+            results[index] = await send(samples[index])
+
+    started = time.perf_counter()
+    await asyncio.gather(*(stream() for _ in range(min(concurrency, len(samples)))))
+    return [r for r in results if r is not None], time.perf_counter() - started
+
+
+async def measure(
+    endpoint: Endpoint, samples: Sequence[SampleRequest], concurrency: int, counter: TokenCounter
+) -> Round:
+    before = await endpoint.busy_seconds()
+    results, wall_s = await drive(endpoint.send, samples, concurrency)
+    after = await endpoint.busy_seconds()
+    results = [with_output_tokens(r, counter) for r in results]
+    m = compute_metrics(results, wall_s, (50.0, 99.0), None)
+    return Round(
+        output_tok_s=m.output_throughput,
+        ttft_p50_ms=m.ttft.percentiles[50.0],
+        ttft_p99_ms=m.ttft.percentiles[99.0],
+        itl_p50_ms=m.itl.percentiles[50.0],
+        itl_p99_ms=m.itl.percentiles[99.0],
+        output_tokens=m.total_output,
+        completed=m.completed,
+        failed=m.failed,
+        duration_s=wall_s,
+        busy=busy_fractions(before, after, wall_s),
+        first_error=next((r.error for r in results if r.error), None),
+    )
+
+
+async def warm_up(endpoint: Endpoint, samples: Sequence[SampleRequest]) -> None:
+    short = [s._replace(expected_output_len=WARMUP_TOKENS) for s in samples[:WARMUP_REQUESTS]]
+    results = await asyncio.gather(*(endpoint.send(s) for s in short))
+    if error := next((r.error for r in results if r.error), None):
+        raise SessionError(f"a warm-up request failed: {error}")
+
+
+async def measure_all(
+    endpoint: Endpoint, workload: Workload, concurrencies: Sequence[int]
+) -> dict[int, Round]:
+    await warm_up(endpoint, workload.samples)
+    return {
+        c: await measure(endpoint, workload.for_concurrency(c), c, workload.counter)
+        for c in concurrencies
+    }
+
+
+def with_output_tokens(result: RequestResult, counter: TokenCounter) -> RequestResult:
+    """Counts the generated text of a server that sent no usage, as `tandem bench` does."""
+    if not result.success or result.output_tokens is not None:
+        return result
+    return replace(result, output_tokens=counter.count(result.generated_text))
+
+
+# ---- engine busy time ------------------------------------------------------------------------
+
+
+def busy_seconds(metrics_text: str) -> dict[str, float]:
+    """Each worker's `tandem:engine_busy_seconds_total` from Prometheus text, keyed by worker."""
+    seconds = {}
+    for family in text_string_to_metric_families(metrics_text):
+        for sample in family.samples:
+            if sample.name == BUSY_METRIC:
+                seconds[sample.labels.get("worker", "?")] = sample.value
+    return seconds
+
+
+def busy_fractions(
+    before: dict[str, float] | None, after: dict[str, float] | None, wall_s: float
+) -> dict[str, float] | None:
+    """Busy fraction of every worker counted at both ends (a restarted one, whose counter went
+    back, is left out); None when the target does not count."""
+    if not before or not after or wall_s <= 0:
+        return None
+    return {
+        worker: (after[worker] - before[worker]) / wall_s
+        for worker in sorted(before.keys() & after.keys())
+        if after[worker] >= before[worker]
+    } or None
+
+
+class StepClock:
+    """Seconds an in-process engine spends inside step(), the span the servers' counter covers.
+    Wraps that one engine's step; written by its thread, read between rounds."""
+
+    def __init__(self, engine: LLMEngine) -> None:
+        self.seconds = 0.0
+        step = engine.step
+
+        def timed_step() -> list:
+            started = time.perf_counter()
+            try:
+                return step()
+            finally:
+                self.seconds += time.perf_counter() - started
+
+        engine.step = timed_step
+
+
+# ---- endpoints -------------------------------------------------------------------------------
+
+
+@dataclass
+class _TextTiming:
+    """TTFT and ITL from outputs carrying text, as `loadtest.client` times SSE chunks."""
+
+    sent_at: float
+    last_at: float | None = None
+    ttft: float | None = None
+    itl: list[float] = field(default_factory=list)
+    pieces: list[str] = field(default_factory=list)
+    output_tokens: int | None = None
+
+    def on_text(self, text: str, now: float) -> None:
+        if self.last_at is None:
+            self.ttft = now - self.sent_at
+        else:
+            self.itl.append(now - self.last_at)
+        self.last_at = now
+        self.pieces.append(text)
+
+    def result(self, prompt_len: int, error: str | None) -> RequestResult:
+        if error is None and self.ttft is None:
+            error = "the stream carried no generated text"
+        latency = None if self.last_at is None else self.last_at - self.sent_at
+        return RequestResult(
+            prompt_len=prompt_len,
+            sent_at=self.sent_at,
+            ttft=self.ttft,
+            itl=tuple(self.itl),
+            latency=latency,
+            output_tokens=self.output_tokens,
+            generated_text="".join(self.pieces),
+            error=error,
+        )
+
+
+@dataclass(frozen=True)
+class EngineEndpoint:
+    engine: AsyncEngine
+    clock: StepClock
+    timeout_s: float
+
+    async def send(self, sample: SampleRequest) -> RequestResult:
+        from protocol.sampling import SamplingParams
+
+        timing = _TextTiming(sent_at=time.perf_counter())
+        ids = self.engine.tokenizer.encode(
+            sample.prompt
+        )  # as the server encodes a completions prompt
+        params = SamplingParams(
+            max_tokens=sample.expected_output_len, temperature=0.0, ignore_eos=True
+        )
+        try:
+            await asyncio.wait_for(self._stream(ids, params, timing), self.timeout_s)
+            error = None
+        except asyncio.TimeoutError:
+            error = f"timed out after {self.timeout_s:g} s"
+        except Exception as err:  # the engine's failure of this request, recorded as HTTP's are
+            error = f"{type(err).__name__}: {one_line(str(err))}"
+        return timing.result(len(ids), error)
+
+    async def _stream(self, ids: list[int], params: SamplingParams, timing: _TextTiming) -> None:
+        async for output in self.engine.generate(ids, params):
+            if output.delta_text:
+                timing.on_text(output.delta_text, time.perf_counter())
+            timing.output_tokens = len(output.token_ids)
+
+    async def busy_seconds(self) -> dict[str, float]:
+        return {"engine": self.clock.seconds}
+
+
+@dataclass
+class HttpEndpoint:
+    client: httpx.AsyncClient
+    target: Target
+    base_url: str
+    timeout_s: float
+    counts_busy: bool | None = None  # None until /metrics is first read
+
+    async def send(self, sample: SampleRequest) -> RequestResult:
+        payload = build_payload(self.target, sample, SAMPLING)
+        return await send_request(
+            self.client, self.target, payload, sample.prompt_len, self.timeout_s
+        )
+
+    async def busy_seconds(self) -> dict[str, float] | None:
+        if self.counts_busy is False:
+            return None
+        await asyncio.sleep(STATS_SETTLE_S)  # the last requests' steps reach /metrics
+        try:
+            response = await self.client.get(self.base_url + "/metrics", timeout=METRICS_TIMEOUT_S)
+            seconds = busy_seconds(response.text) if response.status_code == 200 else {}
+        except (httpx.HTTPError, ValueError):  # ValueError: text that is not Prometheus'
+            seconds = {}
+        self.counts_busy = bool(seconds)
+        return seconds or None
+
+
+# ---- sessions: one target up, measured, down -------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Workload:
+    samples: list[SampleRequest]  # the most any concurrency sends
+    counter: TokenCounter
+    num_prompts: int | None  # per round; None: 2 x concurrency
+
+    def for_concurrency(self, concurrency: int) -> list[SampleRequest]:
+        return self.samples[: self.num_prompts or 2 * concurrency]
+
+
+def make_workload(model: Path, args: argparse.Namespace) -> Workload:
+    counter = LocalTokenizer(model)
+    count = args.num_prompts or 2 * max(args.concurrency)
+    spec = RandomSpec(input_len=args.input_len, output_len=args.output_len)
+    samples = sample_random(spec, count, np.random.default_rng(PROMPT_SEED), counter)
+    return Workload(samples, counter, args.num_prompts)
+
+
+def engine_session(model: Path, workload: Workload, args: argparse.Namespace) -> dict[int, Round]:
+    import torch
+
+    from engine.async_engine import AsyncEngine
+    from engine.engine import LLMEngine
+    from engine.tokenizer import Tokenizer
+
+    torch.set_num_threads(os.cpu_count() or 1)  # what tandem serve gives its one colocated worker
+    engine = LLMEngine(engine_config(model, args))
+    clock = StepClock(engine)
+    async_engine = AsyncEngine(engine, Tokenizer(model))
+    endpoint = EngineEndpoint(async_engine, clock, args.request_timeout)
+    return asyncio.run(_engine_rounds(endpoint, workload, args.concurrency))
+
+
+async def _engine_rounds(
+    endpoint: EngineEndpoint, workload: Workload, concurrencies: Sequence[int]
+) -> dict[int, Round]:
+    try:
+        return await measure_all(endpoint, workload, concurrencies)
+    finally:  # while the loop the engine delivers to still runs
+        endpoint.engine.shutdown()
+
+
+def engine_config(model: Path, args: argparse.Namespace) -> EngineConfig:
+    """The engine every served worker runs, from the same flags serve_args passes on."""
+    from engine.config import EngineConfig
+
+    return EngineConfig(
+        model=model,
+        dtype=args.dtype,
+        kv_cache_memory_bytes=args.kv_cache_memory,
+        max_num_seqs=max_num_seqs(args),
+        enable_prefix_caching=False,
+    )
+
+
+def max_num_seqs(args: argparse.Namespace) -> int:
+    return max(64, *args.concurrency)
+
+
+def serve_args(model: Path, layout: str, args: argparse.Namespace) -> list[str]:
+    return ["--model", str(model), *LAYOUTS[layout], "--no-prefix-caching", "--dtype", args.dtype,
+            "--kv-cache-memory", str(args.kv_cache_memory),
+            "--max-num-seqs", str(max_num_seqs(args)), "--log-level", "warning"]  # fmt: skip
+
+
+def served_session(
+    model: Path, layout: str, workload: Workload, args: argparse.Namespace, work: Path
+) -> dict[int, Round]:
+    log = work / f"{model.name}-{layout}.log"
+    with ServeProcess(serve_args(model, layout, args), log) as server:
+        try:
+            server.wait_healthy(START_TIMEOUT_S)
+            rounds = http_session(server.url, workload, args)
+        except (SessionError, BenchError) as err:
+            raise SessionError(f"{err}\n--- server log ---\n{server.log}") from err
+        except ServeError as err:
+            raise SessionError(str(err)) from err
+        if server.stop(STOP_TIMEOUT_S) != 0:
+            print(f"warning: {layout} did not exit cleanly:\n{server.log}", file=sys.stderr)
+    return rounds
+
+
+def http_session(base_url: str, workload: Workload, args: argparse.Namespace) -> dict[int, Round]:
+    config = TargetConfig(base_url, "/v1/completions", None, None, args.request_timeout)
+    with httpx.Client(timeout=CONNECT_TIMEOUT_S, trust_env=False) as http:
+        target = build_target(config, resolve_model(http, config))
+    return asyncio.run(_http_rounds(target, base_url, workload, args))
+
+
+async def _http_rounds(
+    target: Target, base_url: str, workload: Workload, args: argparse.Namespace
+) -> dict[int, Round]:
+    timeout = httpx.Timeout(args.request_timeout, connect=CONNECT_TIMEOUT_S)
+    # One connection per stream, kept; trust_env=False: no proxy between client and server.
+    limits = httpx.Limits(max_connections=max(args.concurrency) + 1, max_keepalive_connections=None)
+    async with httpx.AsyncClient(timeout=timeout, limits=limits, trust_env=False) as client:
+        endpoint = HttpEndpoint(client, target, base_url.rstrip("/"), args.request_timeout)
+        return await measure_all(endpoint, workload, args.concurrency)
+
+
+def run_session(
+    target: str, model: Path, workload: Workload, args: argparse.Namespace, work: Path
+) -> dict[int, Round]:
+    if target == INPROCESS:
+        return engine_session(model, workload, args)
+    if target in LAYOUTS:
+        return served_session(model, target, workload, args, work)
+    return http_session(args.peers[target], workload, args)
+
+
+# ---- the run and its summary -----------------------------------------------------------------
+
+Key = tuple[str, int, str]  # (model, concurrency, target)
+
+
+@dataclass
+class Results:
+    rounds: dict[Key, list[Round]] = field(default_factory=dict)
+    failures: list[str] = field(default_factory=list)
+
+
+def run_benchmark(models: dict[str, Path], args: argparse.Namespace, work: Path) -> Results:
+    """Every model: rounds of every target in turn, one target up at a time."""
+    results = Results()
+    targets = [*args.targets, *args.peers]
+    for name, folder in models.items():
+        workload = make_workload(folder, args)
+        for index in range(args.rounds):
+            for target in targets:
+                label = f"[{name} round {index + 1}/{args.rounds}] {target}"
+                print(f"--- {label}", file=sys.stderr, flush=True)
+                try:
+                    measured = run_session(target, folder, workload, args, work)
+                except (SessionError, BenchError, OSError) as err:
+                    results.failures.append(f"{label}: {one_line(str(err), 300)}")
+                    print(f"{label} failed: {err}", file=sys.stderr, flush=True)
+                    continue
+                for concurrency, round_ in measured.items():
+                    results.rounds.setdefault((name, concurrency, target), []).append(round_)
+                    print(f"{label} c={concurrency}: {progress(round_)}", file=sys.stderr)
+    return results
+
+
+def progress(r: Round) -> str:
+    failed = f", {r.failed} failed (first: {r.first_error})" if r.failed else ""
+    return (
+        f"{r.output_tok_s:.1f} tok/s, TTFT p50 {r.ttft_p50_ms:.0f} ms, ITL p50 "
+        f"{r.itl_p50_ms:.1f} ms, busy {format_busy(r.busy)}{failed}"
+    )
+
+
+def summarize(rounds: Sequence[Round], inprocess: Sequence[Round] | None) -> dict:
+    """Medians over rounds (tok/s with its min and max), and served / in-process tok/s."""
+    tok_s = [r.output_tok_s for r in rounds]
+    base = statistics.median(r.output_tok_s for r in inprocess) if inprocess else None
+    busy_workers = sorted({w for r in rounds for w in (r.busy or {})})
+    busy = {
+        w: statistics.median(r.busy[w] for r in rounds if r.busy and w in r.busy)
+        for w in busy_workers
+    }
+    return {
+        "rounds": len(rounds),
+        "output_tok_s": statistics.median(tok_s),
+        "output_tok_s_min": min(tok_s),
+        "output_tok_s_max": max(tok_s),
+        "vs_inprocess": statistics.median(tok_s) / base if base else None,
+        **{key: statistics.median(getattr(r, key) for r in rounds) for key in LATENCY_KEYS},
+        "busy": busy or None,
+        "failed": sum(r.failed for r in rounds),
+    }
+
+
+def summaries(results: Results) -> dict[Key, dict]:
+    return {
+        (model, c, target): summarize(rounds, results.rounds.get((model, c, INPROCESS)))
+        for (model, c, target), rounds in results.rounds.items()
+    }
+
+
+HEADINGS = ("model", "conc", "target", "out tok/s", "min-max", "vs in-proc", "TTFT p50", "p99",
+            "ITL p50", "p99", "busy", "failed")  # fmt: skip
+
+
+def format_busy(busy: dict[str, float] | None) -> str:
+    return "-" if not busy else " ".join(f"{w} {v:.0%}" for w, v in busy.items())
+
+
+def table_row(key: Key, s: dict) -> list[str]:
+    model, concurrency, target = key
+    ratio = "-" if s["vs_inprocess"] is None else f"{s['vs_inprocess']:.2f}x"
+    spread = f"{s['output_tok_s_min']:.0f}-{s['output_tok_s_max']:.0f}"
+    latencies = [f"{s[k]:.1f}" for k in LATENCY_KEYS]
+    tok_s = f"{s['output_tok_s']:.1f}"
+    busy = format_busy(s["busy"])
+    return [
+        model,
+        str(concurrency),
+        target,
+        tok_s,
+        spread,
+        ratio,
+        *latencies,
+        busy,
+        str(s["failed"]),
+    ]
+
+
+def format_table(rows: dict[Key, dict], order: Sequence[str]) -> str:
+    keys = sorted(rows, key=lambda k: (k[0], k[1], order.index(k[2])))
+    table = [list(HEADINGS), *(table_row(key, rows[key]) for key in keys)]
+    widths = [max(len(cell) for cell in column) for column in zip(*table, strict=True)]
+    lines = [" | ".join(c.rjust(w) for c, w in zip(r, widths, strict=True)) for r in table]
+    legend = "tok/s: median over rounds (min-max); latencies in ms, medians of each round's"
+    return "\n".join([*lines, legend + " percentile; busy: engine time in step() / wall time"])
+
+
+def report_json(results: Results, rows: dict[Key, dict], settings: dict) -> dict:
+    return {
+        "settings": settings,
+        "rows": [
+            {
+                "model": m,
+                "concurrency": c,
+                "target": t,
+                **rows[(m, c, t)],
+                "per_round": [asdict(r) for r in results.rounds[(m, c, t)]],
+            }
+            for (m, c, t) in rows
+        ],
+        "failures": results.failures,
+    }
+
+
+# ---- command line ----------------------------------------------------------------------------
+
+
+def parse_peer(text: str) -> tuple[str, str]:
+    """'vllm=http://127.0.0.1:8100' -> ('vllm', 'http://127.0.0.1:8100'); this host only."""
+    name, sep, url = text.partition("=")
+    if not sep or not name or name in TARGETS:
+        raise argparse.ArgumentTypeError(
+            f"--peer {text!r}: expected NAME=URL, NAME not one of {', '.join(TARGETS)}"
+        )
+    try:
+        host = httpx.URL(url).host
+    except httpx.InvalidURL:
+        host = None
+    if not url.startswith("http://") or host not in LOCAL_HOSTS:
+        raise argparse.ArgumentTypeError(f"--peer {text!r}: the URL must be http://127.0.0.1:PORT")
+    return name, url.rstrip("/")
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--models", nargs="+", choices=MODELS, default=list(MODELS))
+    p.add_argument("--concurrency", type=int, nargs="+", default=[16, 64], help="streams")
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--num-prompts", type=int, help="per round (default: 2 x concurrency)")
+    p.add_argument("--input-len", type=int, default=100, help="prompt tokens (words)")
+    p.add_argument("--output-len", type=int, default=128, help="tokens generated per request")
+    p.add_argument("--targets", nargs="+", choices=TARGETS, default=list(TARGETS))
+    p.add_argument(
+        "--peer",
+        type=parse_peer,
+        action="append",
+        default=[],
+        metavar="NAME=URL",
+        help="an OpenAI-compatible server on this host, serving the one --models",
+    )
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    p.add_argument("--kv-cache-memory", type=parse_size, default=512 << 20, metavar="BYTES",
+                   help="KV cache per engine, e.g. 512MiB (default: 512MiB)")  # fmt: skip
+    p.add_argument("--request-timeout", type=float, default=300.0, help="seconds per request")
+    p.add_argument("--quick", action="store_true", help="1 round, concurrency 16, overhead model")
+    p.add_argument("--json", type=Path, help="write the summary and every round here")
+    args = p.parse_args(argv)
+    if args.quick:  # its settings become the defaults: flags given still win
+        p.set_defaults(**QUICK)
+        args = p.parse_args(argv)
+    args.peers = dict(args.peer)
+    if args.peers and len(args.models) > 1:
+        p.error("a peer serves one model: give --models one model with --peer")
+    if min(args.concurrency) < 1 or args.rounds < 1 or (args.num_prompts or 1) < 1:
+        p.error("--concurrency, --rounds and --num-prompts must be at least 1")
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    from engine.fetch import fetch_default_model
+
+    smollm2 = fetch_default_model()
+    models = {m: smollm2 if m == "smollm2" else overhead_model(smollm2) for m in args.models}
+    print("models: " + ", ".join(f"{m} {folder}" for m, folder in models.items()), file=sys.stderr)
+    with tempfile.TemporaryDirectory(prefix="serving-") as work:
+        results = run_benchmark(models, args, Path(work))
+    rows = summaries(results)
+    print("\n" + format_table(rows, [*args.targets, *args.peers]))
+    for failure in results.failures:
+        print(f"failed: {failure}")
+    if args.json:
+        settings = {k: v for k, v in vars(args).items() if k not in ("peer", "json", "quick")}
+        settings["models"] = {name: str(folder) for name, folder in models.items()}
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(report_json(results, rows, settings), indent=2) + "\n")
+        print(f"wrote {args.json}")
+    return 1 if results.failures or any(s["failed"] for s in rows.values()) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

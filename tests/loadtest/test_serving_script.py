@@ -1,0 +1,127 @@
+"""benchmarks/serving.py without a server: the busy counter, the closed-loop driver, the summary
+and table, the flags, and the overhead model driven in-process on a tiny tokenizer."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from loadtest.client import RequestResult
+from loadtest.sample import SampleRequest
+
+SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "serving.py"
+_spec = importlib.util.spec_from_file_location("serving", SCRIPT)
+serving = importlib.util.module_from_spec(_spec)
+sys.modules["serving"] = serving  # dataclasses resolve their annotations through sys.modules
+_spec.loader.exec_module(serving)
+
+METRICS = """\
+# HELP tandem:engine_busy_seconds Time the worker's engine thread spent inside step().
+# TYPE tandem:engine_busy_seconds counter
+tandem:engine_busy_seconds_total{model="m",pool="prefill",worker="prefill-0"} 1.5
+tandem:engine_busy_seconds_total{model="m",pool="decode",worker="decode-0"} 10.0
+# HELP tandem:kv_cache_usage_perc Fraction of KV blocks in use (1 = full).
+# TYPE tandem:kv_cache_usage_perc gauge
+tandem:kv_cache_usage_perc{model="m",pool="decode",worker="decode-0"} 0.25
+"""
+
+
+def make_round(tok_s: float, busy: dict[str, float] | None = None, failed: int = 0):
+    return serving.Round(tok_s, 100.0, 200.0, 10.0, 20.0, 64, 8, failed, 1.0, busy, None)
+
+
+def test_busy_seconds_reads_the_counter_of_every_worker() -> None:
+    assert serving.busy_seconds(METRICS) == {"prefill-0": 1.5, "decode-0": 10.0}
+    assert serving.busy_seconds("") == {}
+
+
+def test_busy_fractions_divide_each_workers_increase_by_the_wall_time() -> None:
+    before = {"decode-0": 10.0, "prefill-0": 1.5, "gone-0": 3.0}
+    after = {"decode-0": 18.0, "prefill-0": 2.5, "new-0": 1.0}
+    assert serving.busy_fractions(before, after, 10.0) == {"decode-0": 0.8, "prefill-0": 0.1}
+    assert serving.busy_fractions({"decode-0": 5.0}, {"decode-0": 1.0}, 10.0) is None  # restarted
+    assert serving.busy_fractions(None, after, 10.0) is None
+
+
+def test_drive_keeps_concurrency_streams_busy_until_every_sample_is_sent() -> None:
+    samples = [SampleRequest(f"p{i}", 1, 4) for i in range(7)]
+    in_flight, peak, order = 0, 0, []
+
+    async def send(sample: SampleRequest) -> RequestResult:
+        nonlocal in_flight, peak
+        in_flight += 1
+        peak = max(peak, in_flight)
+        order.append(sample.prompt)
+        await asyncio.sleep(0.01)
+        in_flight -= 1
+        return RequestResult(1, 0.0, 0.01, (), 0.01, 4, "text", None)
+
+    results, wall_s = asyncio.run(serving.drive(send, samples, concurrency=3))
+    assert len(results) == 7 and peak == 3 and wall_s > 0
+    assert order == [s.prompt for s in samples]  # sent in order, each once
+    _, _ = asyncio.run(serving.drive(send, samples[:2], concurrency=5))
+    assert peak == 3  # never more streams than samples
+
+
+def test_summary_takes_medians_over_rounds_and_the_ratio_to_in_process() -> None:
+    inprocess = [make_round(100.0), make_round(120.0), make_round(110.0)]
+    served = [make_round(50.0, {"d": 0.4}), make_round(66.0, {"d": 0.6}), make_round(55.0)]
+    s = serving.summarize(served, inprocess)
+    assert (s["output_tok_s"], s["output_tok_s_min"], s["output_tok_s_max"]) == (55.0, 50.0, 66.0)
+    assert s["vs_inprocess"] == pytest.approx(0.5)
+    assert s["busy"] == {"d": pytest.approx(0.5)} and s["rounds"] == 3
+    assert serving.summarize(served, None)["vs_inprocess"] is None
+
+
+def test_table_lists_rows_in_target_order_with_dashes_for_unknowns() -> None:
+    results = serving.Results()
+    results.rounds[("overhead", 16, "colocated")] = [make_round(60.0, {"colocated-0": 0.5})]
+    results.rounds[("overhead", 16, "inprocess")] = [make_round(120.0, {"engine": 0.98})]
+    results.rounds[("overhead", 16, "vllm")] = [make_round(90.0, failed=2)]
+    table = serving.format_table(serving.summaries(results), ["inprocess", "colocated", "vllm"])
+    lines = table.splitlines()
+    assert "inprocess" in lines[1] and "colocated" in lines[2] and "vllm" in lines[3]
+    assert "0.50x" in lines[2] and "colocated-0 50%" in lines[2]
+    assert lines[3].split("|")[-2].strip() == "-" and lines[3].split("|")[-1].strip() == "2"
+    saved = serving.report_json(results, serving.summaries(results), {"rounds": 1})
+    assert json.loads(json.dumps(saved))["rows"][0]["per_round"][0]["output_tok_s"] == 60.0
+
+
+def test_flags() -> None:
+    quick = serving.parse_args(["--quick"])
+    assert (quick.models, quick.concurrency, quick.rounds) == (["overhead"], [16], 1)
+    full = serving.parse_args([])
+    assert full.targets == ["inprocess", "colocated", "1p1d"] and full.num_prompts is None
+    peer = serving.parse_args(["--models", "overhead", "--peer", "vllm=http://127.0.0.1:8100/"])
+    assert peer.peers == {"vllm": "http://127.0.0.1:8100"}
+    for bad in ("vllm=http://10.0.0.1:8100", "http://127.0.0.1:8100", "1p1d=http://127.0.0.1:1"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            serving.parse_peer(bad)
+    with pytest.raises(SystemExit):  # a peer serves one model
+        serving.parse_args(["--peer", "vllm=http://127.0.0.1:8100"])
+
+
+def test_overhead_model_streams_every_token_in_process(tiny_llama: Path, tmp_path: Path) -> None:
+    from engine.config import ModelConfig
+
+    folder = serving.write_overhead_model(tiny_llama, tmp_path / "overhead")
+    config = ModelConfig.from_pretrained(folder)
+    dims = (config.num_layers, config.hidden_size, config.num_heads, config.num_kv_heads)
+    assert dims == (2, 256, 4, 2) and config.head_dim == 64
+    assert (folder / "tokenizer.json").read_bytes() == (tiny_llama / "tokenizer.json").read_bytes()
+
+    args = serving.parse_args(
+        ["--concurrency", "2", "--num-prompts", "4", "--input-len", "12", "--output-len", "8",
+         "--dtype", "float32", "--kv-cache-memory", str(8 << 20)]
+    )  # fmt: skip
+    rounds = serving.engine_session(folder, serving.make_workload(folder, args), args)
+    measured = rounds[2]
+    assert (measured.completed, measured.failed, measured.output_tokens) == (4, 0, 4 * 8)
+    assert measured.output_tok_s > 0 and measured.ttft_p50_ms > 0 and measured.itl_p50_ms > 0
+    assert 0 < measured.busy["engine"] <= 1.0
