@@ -44,6 +44,11 @@ class DefaultsFormatter(argparse.HelpFormatter):
             return text
         return f"{text} (default: %(default)s)"
 
+    def _format_args(self, action: argparse.Action, default_metavar: str) -> str:
+        if getattr(action, "shown_as_switch", False):  # cli_flags._Switch
+            return ""
+        return super()._format_args(action, default_metavar)
+
 
 def add_parser(commands: argparse._SubParsersAction) -> None:
     p = commands.add_parser(

@@ -191,6 +191,8 @@ class _Switch(argparse.Action):
     """A store_true switch, as vLLM's --save-result; given a value (tandem's --save-result once
     took a path), it fails naming --result-path. A vLLM command line never gives it one."""
 
+    shown_as_switch = True  # DefaultsFormatter shows no value
+
     def __init__(self, option_strings: list[str], dest: str, **kwargs: object) -> None:
         super().__init__(option_strings, dest, nargs="?", **kwargs)  # type: ignore[arg-type]
 

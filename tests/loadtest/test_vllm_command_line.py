@@ -239,3 +239,14 @@ def test_default_result_filename(record: dict, name: str) -> None:
     assert default_result_filename(record) == name
     assert result_path(ResultFile(Path("out")), record) == Path("out") / name
     assert result_path(ResultFile(filename="x/r.json"), record) == Path("x/r.json")
+
+
+def test_save_result_is_a_switch_and_names_result_path(capsys) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["bench", "--save-result", "out/run.json"])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(
+        "tandem bench: error: --save-result is a switch, as in vLLM; "
+        "save to a path with --result-path out/run.json"
+    )
