@@ -125,3 +125,27 @@ def test_overhead_model_streams_every_token_in_process(tiny_llama: Path, tmp_pat
     assert (measured.completed, measured.failed, measured.output_tokens) == (4, 0, 4 * 8)
     assert measured.output_tok_s > 0 and measured.ttft_p50_ms > 0 and measured.itl_p50_ms > 0
     assert 0 < measured.busy["engine"] <= 1.0
+
+
+class WordCounter:
+    def count(self, text: str) -> int:
+        return len(text.split())
+
+
+def test_http_session_times_a_server_without_busy_counter(serve, monkeypatch) -> None:
+    monkeypatch.setattr(serving, "STATS_SETTLE_S", 0.0)
+    server = serve(ttft_s=0.05, itl_s=0.01)
+    samples = [SampleRequest(f"word{i} and more", 3, 6) for i in range(8)]
+    workload = serving.Workload(samples, WordCounter(), num_prompts=None)
+    args = serving.parse_args(["--models", "overhead", "--concurrency", "2", "4"])
+    rounds = serving.http_session(server.url, workload, args)
+
+    assert sorted(rounds) == [2, 4]
+    for concurrency, measured in rounds.items():
+        assert (measured.completed, measured.failed) == (2 * concurrency, 0)
+        assert measured.output_tokens == 2 * concurrency * 6
+        assert measured.ttft_p50_ms == pytest.approx(50.0, abs=30.0)
+        assert measured.itl_p50_ms == pytest.approx(10.0, abs=8.0)
+        assert measured.busy is None  # the fake server has no /metrics
+    sent = server.received[serving.WARMUP_REQUESTS :]
+    assert all(p["ignore_eos"] and p["temperature"] == 0.0 and p["stream"] for p in sent)
