@@ -185,6 +185,13 @@ def _add_cluster_flags(g: argparse._ArgumentGroup) -> None:
         help="how long a decode worker holds blocks reserved for KV that has not arrived",
     )
     g.add_argument(
+        "--threads-per-worker",
+        type=int,
+        default=deploy("threads_per_worker"),
+        metavar="N",
+        help="torch threads of each CPU worker (default: the machine's cores / workers)",
+    )
+    g.add_argument(
         "--placement-timeout",
         type=float,
         default=deploy("placement_timeout"),
@@ -292,6 +299,7 @@ def deploy_config(args: argparse.Namespace) -> DeployConfig:
         transfer_timeout=args.kv_transfer_timeout,
         local_prefill_threshold=args.local_prefill_threshold,
         placement_timeout=args.placement_timeout,
+        threads_per_worker=args.threads_per_worker,
         model_name=args.served_model_name,
     )
 
