@@ -43,9 +43,9 @@ class WorkerState(str, enum.Enum):
 
 @dataclass(frozen=True)
 class SupervisorConfig:
-    probe_interval: float = 0.5
-    probe_timeout: float = 1.0  # one health() call
-    max_probe_failures: int = 2  # in a row: ~interval + 2 x timeout to take a worker out
+    probe_interval: float = 0.25
+    probe_timeout: float = 0.75  # one health() call (the actor answers from its own loop)
+    max_probe_failures: int = 2  # in a row: a hung worker is out within 2 x (interval+timeout)
     stuck_after: float = 30.0  # seconds an engine with work may go without a loop turn
     start_timeout: float = 600.0  # model loading on a cold node
     restart_backoff: float = 1.0  # first delay before a replacement; doubles per failure

@@ -115,3 +115,24 @@ def test_scale_and_role_switch_under_load(tiny_llama, build_pool, loop, prompts,
         lambda: len(serving(client, "decode")) == 1 and len(serving(client, "prefill")) == 1, 30
     )
     assert run_with(loop, client, prompts, lambda p: True, lambda: None) == expected
+
+
+def test_sigstop_of_a_decode_worker_heals(tiny_llama, build_pool, loop, prompts, expected):
+    client = build_pool(tiny_llama, num_prefill=1, num_decode=2)
+    pid = ray.get(client.decode["decode-0"].pid.remote(), timeout=30)
+    stopped_at: list[float] = []
+
+    def freeze() -> None:
+        os.kill(pid, signal.SIGSTOP)
+        stopped_at.append(time.monotonic())
+
+    try:
+        outputs = run_with(loop, client, prompts, mid_generation(prompts), freeze)
+        assert outputs == expected  # resumed on decode-1 from the tokens already streamed
+        wait_for(lambda: "decode-0" not in serving(client, "decode"), 10)
+        assert time.monotonic() - stopped_at[0] < 10
+        wait_for(lambda: len(serving(client, "decode")) == 2, HEAL_TIMEOUT_S)
+        assert client.readiness() is None
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
