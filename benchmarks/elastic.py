@@ -61,6 +61,7 @@ class Load:
     done: int = 0
     lost: int = 0
     changed: int = 0
+    errors: list[str] = field(default_factory=list)
     _stop: asyncio.Event = field(default_factory=asyncio.Event)
 
     async def one(self, http: httpx.AsyncClient, index: int) -> tuple[str, int] | None:
@@ -77,6 +78,9 @@ class Load:
                 async for line in reply.aiter_lines():
                     if line.startswith("data: {"):
                         chunk = json.loads(line[6:])
+                        if "error" in chunk:  # the stream ended in an error event
+                            self.errors.append(chunk["error"].get("message", ""))
+                            return None
                         text += "".join(c["text"] for c in chunk["choices"])
                         count = (chunk.get("usage") or {}).get("completion_tokens", count)
         except httpx.HTTPError:
@@ -151,19 +155,23 @@ async def join_and_drain(admin: Admin) -> tuple[float, float]:
 
 
 async def kill_one(admin: Admin) -> tuple[float, float]:
-    """SIGKILL of a decode worker's process: (seconds until out of routing, until healed)."""
-    before = await admin.serving("decode")
-    pids = _worker_pids()
-    if not pids:
-        raise RuntimeError("no ray::WorkerActor process found")
-    started = time.monotonic()
-    os.kill(pids[-1], signal.SIGKILL)
+    """SIGKILL of a serving worker's process: (seconds until out of routing, until healed).
+    Processes are tried newest first until one was a serving worker (a worker that has just
+    left may still be exiting under the same title)."""
+    sizes = {pool: len(await admin.serving(pool)) for pool in ("decode", "prefill")}
     everyone = set((await admin.serving("decode")) + (await admin.serving("prefill")))
-    await admin.until(lambda: _lost_one(admin, everyone), "detection")
-    detected = time.monotonic() - started
-    await admin.until(lambda: _count(admin, "decode", len(before)), "healing")
-    await admin.until(lambda: _count(admin, "prefill", 1), "healing")
-    return detected, time.monotonic() - started
+    for pid in reversed(_worker_pids()):
+        started = time.monotonic()
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+        while time.monotonic() - started < 10:
+            if await _lost_one(admin, everyone):
+                detected = time.monotonic() - started
+                for pool, size in sizes.items():
+                    await admin.until(lambda p=pool, n=size: _count(admin, p, n), "healing")
+                return detected, time.monotonic() - started
+            await asyncio.sleep(POLL_S)
+    raise RuntimeError("no ray::WorkerActor process was a serving worker")
 
 
 async def _count(admin: Admin, pool: str, size: int) -> bool:
@@ -214,10 +222,13 @@ async def measure(url: str, args: argparse.Namespace) -> dict:
     await asyncio.sleep(2.0)
     load.stop()
     await asyncio.gather(*tasks)
-    return {"times": times, "requests": load.done, "lost": load.lost, "changed": load.changed}
+    return {
+        "times": times, "requests": load.done, "lost": load.lost, "changed": load.changed,
+        "errors": sorted(set(load.errors)),
+    }  # fmt: skip
 
 
-def model_load_seconds(model: Path | None) -> float:
+def model_load_seconds(model: Path | None, dtype: str) -> float:
     """How long one worker's engine takes to load here (weights, packing, kernels), in this
     process: the yardstick for a join ("routable within its load time + 10 s")."""
     from engine.config import EngineConfig
@@ -225,7 +236,7 @@ def model_load_seconds(model: Path | None) -> float:
     from engine.fetch import fetch_default_model
 
     started = time.perf_counter()
-    LLMEngine(EngineConfig(model or fetch_default_model()))
+    LLMEngine(EngineConfig(model or fetch_default_model(), dtype=dtype))
     return time.perf_counter() - started
 
 
@@ -243,6 +254,7 @@ def report(result: dict) -> str:
     lines.append(
         f"requests: {result['requests']}, lost: {result['lost']}, changed: {result['changed']}"
     )
+    lines += [f"error: {message}" for message in result["errors"]]
     return "\n".join(lines)
 
 
@@ -253,9 +265,14 @@ def main() -> int:
     parser.add_argument("--concurrency", type=int, default=6)
     parser.add_argument("--output-len", type=int, default=48)
     parser.add_argument("--skip-kill", action="store_true", help="leave out the kill -9 event")
+    parser.add_argument(
+        "--dtype", default="bfloat16", help="float32 makes a moved request's recomputed KV "
+        "bit-equal to what it replaces, so 'changed' counts only real losses",
+    )  # fmt: skip
     parser.add_argument("--json", type=Path, help="write the results here")
     args = parser.parse_args()
     serve_args = ["--prefill-workers", "1", "--decode-workers", "2", "--log-level", "warning"]
+    serve_args += ["--dtype", args.dtype]
     if args.model is not None:
         serve_args += ["--model", str(args.model)]
     with (
@@ -265,7 +282,7 @@ def main() -> int:
         server.wait_healthy(START_TIMEOUT_S)
         result = asyncio.run(measure(server.url, args))
         server.stop(60)
-    result["load_seconds"] = model_load_seconds(args.model)
+    result["load_seconds"] = model_load_seconds(args.model, args.dtype)
     print(report(result))
     if args.json is not None:
         args.json.parent.mkdir(parents=True, exist_ok=True)

@@ -108,9 +108,11 @@ class KVSender:
     def send_abort(self, ticket: Ticket, reason: str) -> None:
         self._jobs.put(_SendFrame(ticket, AbortFrame(ticket.request_id, reason)))
 
-    def close(self) -> None:
+    def close(self, timeout: float = 5.0) -> None:
+        """Stops after the queued jobs; waits up to `timeout` s (the sends go on in the
+        background after that: they read only their own packed buffers)."""
         self._jobs.put(_Stop())
-        self._thread.join(timeout=5)
+        self._thread.join(timeout=timeout)
 
     def _run(self) -> None:
         while not isinstance(job := self._jobs.get(), _Stop):

@@ -129,7 +129,9 @@ class PrefillWorker:
     def shutdown(self) -> None:
         """Stops serving: every request still here fails, and the engine is left idle."""
         self.thread.stop()
-        self.sender.close()
+        # Sends still queued belong to requests that fail here anyway: no waiting for them (a
+        # role switch must not wait on a slow link).
+        self.sender.close(timeout=0.1)
         self._crashed(RuntimeError("the worker stopped serving"))
         self.engine.abort_all()
 
