@@ -80,7 +80,12 @@ def watch(serve_pid: int) -> None:
         ready, _, _ = select.select([sys.stdin], [], [], SCAN_S)
         if ready and not os.read(sys.stdin.fileno(), 1):  # end of file: the serve process died
             break
-        seen = descendants(serve_pid)
+        current = descendants(serve_pid)
+        # Also gone without closing the pipe (a forked child could still hold it): keep the
+        # previous scan, since this one may have missed children already handed to init.
+        if not Path(f"/proc/{serve_pid}").exists():
+            break
+        seen = current
     reap(seen)
 
 
