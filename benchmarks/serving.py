@@ -56,7 +56,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from cli.serve import parse_size  # noqa: E402
-from loadtest.client import RequestResult, build_payload, send_request  # noqa: E402
+from loadtest.client import RequestResult, TextTiming, build_payload, send_request  # noqa: E402
 from loadtest.config import RandomSpec, SamplingConfig, TargetConfig  # noqa: E402
 from loadtest.datasets import sample_random  # noqa: E402
 from loadtest.errors import BenchError, one_line  # noqa: E402
@@ -71,7 +71,6 @@ if TYPE_CHECKING:  # torch loads with the engine: only the in-process target pay
 
     from engine.async_engine import AsyncEngine
     from engine.config import EngineConfig
-    from engine.engine import LLMEngine
     from protocol.sampling import SamplingParams
 
 INPROCESS = "inprocess"
@@ -293,72 +292,18 @@ def busy_fractions(
     } or None
 
 
-class StepClock:
-    """Seconds an in-process engine spends inside step(), the span the servers' counter covers.
-    Wraps that one engine's step; written by its thread, read between rounds."""
-
-    def __init__(self, engine: LLMEngine) -> None:
-        self.seconds = 0.0
-        step = engine.step
-
-        def timed_step() -> list:
-            started = time.perf_counter()
-            try:
-                return step()
-            finally:
-                self.seconds += time.perf_counter() - started
-
-        engine.step = timed_step
-
-
 # ---- endpoints -------------------------------------------------------------------------------
-
-
-@dataclass
-class _TextTiming:
-    """TTFT and ITL from outputs carrying text, as `loadtest.client` times SSE chunks."""
-
-    sent_at: float
-    last_at: float | None = None
-    ttft: float | None = None
-    itl: list[float] = field(default_factory=list)
-    pieces: list[str] = field(default_factory=list)
-    output_tokens: int | None = None
-
-    def on_text(self, text: str, now: float) -> None:
-        if self.last_at is None:
-            self.ttft = now - self.sent_at
-        else:
-            self.itl.append(now - self.last_at)
-        self.last_at = now
-        self.pieces.append(text)
-
-    def result(self, prompt_len: int, error: str | None) -> RequestResult:
-        if error is None and self.ttft is None:
-            error = "the stream carried no generated text"
-        latency = None if self.last_at is None else self.last_at - self.sent_at
-        return RequestResult(
-            prompt_len=prompt_len,
-            sent_at=self.sent_at,
-            ttft=self.ttft,
-            itl=tuple(self.itl),
-            latency=latency,
-            output_tokens=self.output_tokens,
-            generated_text="".join(self.pieces),
-            error=error,
-        )
 
 
 @dataclass(frozen=True)
 class EngineEndpoint:
     engine: AsyncEngine
-    clock: StepClock
     timeout_s: float
 
     async def send(self, sample: SampleRequest) -> RequestResult:
         from protocol.sampling import SamplingParams
 
-        timing = _TextTiming(sent_at=time.perf_counter())
+        timing = TextTiming(sent_at=time.perf_counter())
         ids = self.engine.tokenizer.encode(
             sample.prompt
         )  # as the server encodes a completions prompt
@@ -374,14 +319,15 @@ class EngineEndpoint:
             error = f"{type(err).__name__}: {one_line(str(err))}"
         return timing.result(len(ids), error)
 
-    async def _stream(self, ids: list[int], params: SamplingParams, timing: _TextTiming) -> None:
+    async def _stream(self, ids: list[int], params: SamplingParams, timing: TextTiming) -> None:
         async for output in self.engine.generate(ids, params):
             if output.delta_text:
                 timing.on_text(output.delta_text, time.perf_counter())
             timing.output_tokens = len(output.token_ids)
 
     async def busy_seconds(self) -> dict[str, float]:
-        return {"engine": self.clock.seconds}
+        # The engine thread's own step timer: the span the servers' counter covers.
+        return {"engine": float(self.engine.step_fields().get("engine_busy_seconds", 0.0))}
 
 
 @dataclass
@@ -441,9 +387,8 @@ def engine_session(model: Path, workload: Workload, args: argparse.Namespace) ->
 
     torch.set_num_threads(os.cpu_count() or 1)  # what tandem serve gives its one colocated worker
     engine = LLMEngine(engine_config(model, args))
-    clock = StepClock(engine)
     async_engine = AsyncEngine(engine, Tokenizer(model))
-    endpoint = EngineEndpoint(async_engine, clock, args.request_timeout)
+    endpoint = EngineEndpoint(async_engine, args.request_timeout)
     return asyncio.run(_engine_rounds(endpoint, workload, args.concurrency))
 
 

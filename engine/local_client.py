@@ -23,6 +23,7 @@ from protocol.stats import PoolWorker, WorkerStats
 
 WORKER_NAME = "colocated-0"
 STUCK_AFTER_S = 60.0  # an engine with work that has not stepped for this long is stuck
+FIXED_POOL = "this server runs one engine in its own process: its pool is fixed"
 
 
 class LocalEngineClient:
@@ -64,14 +65,13 @@ class LocalEngineClient:
         return [PoolWorker(WORKER_NAME, "colocated", state, 0)]
 
     def scale(self, sizes: dict[str, int]) -> None:
-        raise PoolError("this server runs one engine in its own process: its pool is fixed")
+        raise PoolError(FIXED_POOL)
 
     def drain(self, worker_id: str) -> None:
-        self.scale({})
+        raise PoolError(FIXED_POOL)
 
     async def switch_role(self, worker_id: str, role: str) -> float:
-        self.scale({})
-        return 0.0
+        raise PoolError(FIXED_POOL)
 
     def readiness(self) -> str | None:
         if not self._started:

@@ -102,8 +102,10 @@ async def _read_some(response: httpx.Response) -> str:
 
 
 @dataclass
-class _Stream:
-    """What one response has delivered so far; mutated only by its own request."""
+class TextTiming:
+    """One request's text as it arrives: TTFT from the first piece carrying text, ITL between
+    pieces. Any stream of text can be timed with it (benchmarks/serving.py times the in-process
+    engine the same way)."""
 
     sent_at: float
     last_at: float | None = None
@@ -111,23 +113,14 @@ class _Stream:
     itl: list[float] = field(default_factory=list)
     pieces: list[str] = field(default_factory=list)
     output_tokens: int | None = None
-    done: bool = False
 
-    def on_line(self, line: str, now: float) -> str | None:
-        event = parse_sse_line(line)
-        if event is None:
-            return None
-        self.done = event.done
-        if event.completion_tokens is not None:
-            self.output_tokens = event.completion_tokens
-        if event.text:
-            if self.last_at is None:
-                self.ttft = now - self.sent_at
-            else:
-                self.itl.append(now - self.last_at)
-            self.last_at = now
-            self.pieces.append(event.text)
-        return event.error
+    def on_text(self, text: str, now: float) -> None:
+        if self.last_at is None:
+            self.ttft = now - self.sent_at
+        else:
+            self.itl.append(now - self.last_at)
+        self.last_at = now
+        self.pieces.append(text)
 
     def result(self, prompt_len: int, error: str | None) -> RequestResult:
         if error is None and self.ttft is None:
@@ -142,3 +135,21 @@ class _Stream:
             generated_text="".join(self.pieces),
             error=error,
         )
+
+
+@dataclass
+class _Stream(TextTiming):
+    """What one SSE response has delivered so far; mutated only by its own request."""
+
+    done: bool = False
+
+    def on_line(self, line: str, now: float) -> str | None:
+        event = parse_sse_line(line)
+        if event is None:
+            return None
+        self.done = event.done
+        if event.completion_tokens is not None:
+            self.output_tokens = event.completion_tokens
+        if event.text:
+            self.on_text(event.text, now)
+        return event.error

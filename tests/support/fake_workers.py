@@ -106,7 +106,6 @@ class FakeDecodeActor(_FakeProcess):
     def __init__(self, worker_id: str, eos_ids: frozenset[int] = frozenset()) -> None:
         self.worker_id = worker_id
         self.eos_ids = eos_ids
-        self.max_model_len = MAX_MODEL_LEN
         self.batch = 2
         self.repeat = False
         self.room = True
@@ -116,8 +115,6 @@ class FakeDecodeActor(_FakeProcess):
         self.reserved: dict[str, WorkRequest] = {}  # KV not arrived yet
         self.active: dict[str, tuple[WorkRequest, int]] = {}  # request, next output index
         self._wake = asyncio.Event()
-        self.frozen = False  # like a SIGSTOPped process: no call answers
-        self.ping_delay = 0.0
 
     async def reserve(self, work: WorkRequest, prefill_id: str) -> Ticket | None:
         if self.frozen:
@@ -205,11 +202,8 @@ class FakePrefillActor(_FakeProcess):
     def __init__(self, worker_id: str, decodes: dict[str, FakeDecodeActor]) -> None:
         self.worker_id = worker_id
         self.decodes = decodes
-        self.max_model_len = MAX_MODEL_LEN
         self.failures: dict[str, Exception] = {}
         self.hangs: set[str] = set()
-        self.frozen = False  # like a SIGSTOPped process: health() and prefill() never answer
-        self.ping_delay = 0.0
 
     async def prefill(self, work: WorkRequest, ticket: Ticket) -> PrefillResult:
         if work.request_id in self.failures:
