@@ -95,6 +95,8 @@ def build_client(engine: EngineConfig, deploy: DeployConfig) -> Coordinator:
             block_size=engine.block_size,
             local_prefill_threshold=deploy.local_prefill_threshold,
             placement_timeout=deploy.placement_timeout,
+            # Decode workers connect back to this process with their token updates.
+            update_host="127.0.0.1" if deploy.address is None else ray.util.get_node_ip_address(),
         ),
         spawn=spawner.spawn,
         unplaced=spawner.unplaced,

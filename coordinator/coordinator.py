@@ -5,7 +5,8 @@ For each request:
         counts against both workers' loads at once, so a burst spreads over the pools
     D.reserve(request, P) -> ticket;  P.prefill(request, ticket) -> first token (streamed at once)
         from then on the request depends on D alone
-    D's token batches arrive through one long-poll loop per decode worker, for all its requests
+    D pushes its token batches, one frame per engine step for all its requests, over its own
+        connection to the coordinator (coordinator/update_server.py); no per-token Ray call
 Failures: a dead or hung P, a failed or expired transfer, or a dead or hung D end the attempt;
 the request is placed again, on other workers when there are any, with the tokens generated so
 far (a decode worker resumes it as if preempted), up to MAX_ATTEMPTS. Every remote call has a
@@ -28,6 +29,7 @@ from ray.exceptions import RayActorError
 from coordinator.request_state import TrackedRequest
 from coordinator.router import NoWorkerError, Route, Router
 from coordinator.supervisor import Spawn, Supervisor, SupervisorConfig, WorkerEntry
+from coordinator.update_server import UpdateServer
 from engine.outputs import RequestOutput, read_stream
 from engine.tokenizer import Tokenizer
 from protocol.errors import EngineDeadError, PoolError, RequestFailedError
@@ -38,8 +40,6 @@ from protocol.stats import PoolWorker, WorkerStats
 
 log = logging.getLogger(__name__)
 MAX_ATTEMPTS = 4
-POLL_SECONDS = 1.0
-MAX_POLL_FAILURES = 3
 STATS_SECONDS = 1.0
 STATS_TIMEOUT = 1.0  # per worker: a slow one keeps its last report (marked stale)
 START_TIMEOUT = 600.0  # model loading on a cold node
@@ -54,6 +54,7 @@ class CoordinatorConfig:
     prefill_seconds_per_token: float = 0.02  # ... plus this per prompt token
     capacity_wait: float = 60.0  # how long a request may wait for decode KV blocks
     placement_timeout: float = 30.0  # Ray must have placed every first worker by then
+    update_host: str = "127.0.0.1"  # where decode workers reach this process (update streams)
     supervision: SupervisorConfig = SupervisorConfig()
 
     def prefill_timeout(self, num_tokens: int) -> float:
@@ -97,7 +98,8 @@ class Coordinator:
         self._requests: dict[str, TrackedRequest] = {}  # by worker request id
         self._stats: dict[str, WorkerStats] = {}
         self._tasks: set[asyncio.Task] = set()
-        self._pollers: dict[str, asyncio.Task] = {}  # decode worker id -> its long-poll loop
+        self.updates = UpdateServer(config.update_host)
+        self._followers: dict[str, asyncio.Task] = {}  # decode worker id -> its update reader
         self._ids = itertools.count()
         self._started: asyncio.Future | None = None
         self._unplaced = unplaced
@@ -127,8 +129,9 @@ class Coordinator:
         limits = await pings
         self.max_model_len = min([self.max_model_len, *limits])
         self.limits = ModelLimits(self.max_model_len, self.vocab_size)
+        await self.updates.start()
         for decode_id in self.decode:
-            self._start_polling(decode_id)
+            self._follow(decode_id)
         self._background(self._refresh_stats())
         self.supervisor.start()
         await self._refresh_once()
@@ -148,6 +151,7 @@ class Coordinator:
         for request in list(self._requests.values()):
             request.fail(EngineDeadError("the server is shutting down"))
         await self.supervisor.stop()
+        await self.updates.close()
 
     def check_request(self, prompt_ids: list[int], params: SamplingParams | None = None) -> None:
         self.limits.check_prompt(prompt_ids)
@@ -197,9 +201,7 @@ class Coordinator:
         started = time.monotonic()
         self.supervisor.begin_switch(worker_id)
         self._worker_left(entry, "switching role")
-        poller = self._pollers.pop(worker_id, None)
-        if poller is not None:
-            poller.cancel()
+        self._unfollow(worker_id)
         try:
             await self._call(entry.handle.set_role, role)
         except Exception as err:
@@ -347,24 +349,32 @@ class Coordinator:
 
     # -- decode workers --------------------------------------------------------------------
 
-    async def _poll(self, decode_id: str) -> None:
-        worker = self.decode[decode_id]
-        failures = 0  # in a row; a worker that keeps failing its polls is as good as dead
-        while self.router.is_alive(decode_id):
-            try:
-                updates = await self._call(
-                    worker.updates, POLL_SECONDS, timeout=POLL_SECONDS + self.config.call_timeout
-                )
-            except asyncio.CancelledError:
-                raise
-            except Exception as err:
-                failures += 1
-                self._note_failure(decode_id, err, fatal=failures >= MAX_POLL_FAILURES)
-                await asyncio.sleep(POLL_SECONDS)
-                continue
-            failures = 0
-            for update in updates:
-                self._dispatch(decode_id, update)
+    def _follow(self, decode_id: str) -> None:
+        self._followers[decode_id] = self._background(self._read_updates(decode_id))
+
+    def _unfollow(self, decode_id: str) -> None:
+        follower = self._followers.pop(decode_id, None)
+        if follower is not None:
+            follower.cancel()
+        self.updates.forget(decode_id)
+
+    async def _read_updates(self, decode_id: str) -> None:
+        """Asks the worker to connect, then dispatches its frames until the role ends. A
+        worker whose stream cannot open, breaks or carries garbage leaves its pool."""
+        connection = self.updates.expect(decode_id)
+        try:
+            await self._call(
+                self.decode[decode_id].stream_updates, self.updates.endpoint, self.updates.secret
+            )
+            stream = await asyncio.wait_for(connection, self.config.call_timeout)
+            while True:
+                for update in await stream.read():
+                    self._dispatch(decode_id, update)
+        except asyncio.CancelledError:
+            raise
+        except Exception as err:
+            reason = "its update stream closed" if _is_eof(err) else _brief(err)
+            self._note_failure(decode_id, RuntimeError(reason), fatal=True)
 
     def _dispatch(self, decode_id: str, update: WorkerUpdate) -> None:
         request = self._requests.get(update.request_id)
@@ -397,9 +407,7 @@ class Coordinator:
         if reason != "switching role":
             self.prefill.pop(entry.worker_id, None)
             self.decode.pop(entry.worker_id, None)
-        poller = self._pollers.pop(entry.worker_id, None)
-        if poller is not None:
-            poller.cancel()
+        self._unfollow(entry.worker_id)
         self._stats.pop(entry.worker_id, None)
         for request in list(self._requests.values()):
             route = request.route
@@ -412,7 +420,7 @@ class Coordinator:
         (self.prefill if pool == "prefill" else self.decode)[entry.worker_id] = entry.handle
         self.router.add_worker(pool, entry.worker_id)
         if pool == "decode":
-            self._start_polling(entry.worker_id)
+            self._follow(entry.worker_id)
 
     def _in_use(self, worker_id: str) -> int:
         return sum(
@@ -447,9 +455,6 @@ class Coordinator:
             if isinstance(result, RayActorError):
                 self._note_failure(worker_id, result)
 
-    def _start_polling(self, decode_id: str) -> None:
-        self._pollers[decode_id] = self._background(self._poll(decode_id))
-
     def _background(self, coro: Coroutine) -> asyncio.Task:
         task = asyncio.ensure_future(coro)
         self._tasks.add(task)
@@ -460,6 +465,10 @@ class Coordinator:
         return await asyncio.wait_for(
             method.remote(*args), timeout=timeout or self.config.call_timeout
         )
+
+
+def _is_eof(err: BaseException) -> bool:
+    return isinstance(err, (asyncio.IncompleteReadError, ConnectionError))
 
 
 def _brief(err: BaseException) -> str:

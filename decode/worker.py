@@ -3,7 +3,8 @@
     reserve(request, prefill_id) -> Ticket     blocks for every token, minus its prefix-cache hits
     KVReceiver thread                          layers land in the reserved blocks
     Arrived (all layers + first token)         the request joins the running batch
-    each engine step                           new tokens of every request -> one batch of updates
+    each engine step                           new tokens of every request -> one batch of updates,
+                                               pushed to the coordinator (decode/publisher.py)
     add_local(request)                         short prompts: prefilled here, chunked into steps
 
 A reservation is a lease: if its KV has not arrived within the ticket's timeout, its blocks are
@@ -11,7 +12,7 @@ freed and the coordinator hears of it.
 
 Threads: the engine thread owns the engine, the leases and the counters; the receiver thread
 hands each finished transfer to it with `submit`, and updates leave through `_updates` under
-its condition. A plain class (no Ray); `worker.actor` wraps it.
+its condition, taken by the publisher's thread. A plain class (no Ray); `worker.actor` wraps it.
 """
 
 from __future__ import annotations
@@ -20,12 +21,13 @@ import threading
 import time
 from concurrent.futures import Future
 
+from decode.publisher import UpdatePublisher
 from engine.block_manager import slots_of
 from engine.engine import LLMEngine
 from engine.engine_thread import EngineThread
 from kvtransfer.receiver import Arrived, KVReceiver, ReceiveEvent, TransferFailed
 from kvtransfer.transport import Rendezvous, Transport
-from protocol.kv import Ticket
+from protocol.kv import Endpoint, Ticket
 from protocol.messages import RequestFailed, WorkerUpdate, WorkRequest
 from protocol.sampling import TokenLogprobs
 from protocol.stats import TransferCounters, WorkerStats
@@ -61,6 +63,7 @@ class DecodeWorker:
         self._updates_ready = threading.Condition()
         self.transfers = TransferCounters(transport.name)
         self.prefilled_locally = 0
+        self.publisher: UpdatePublisher | None = None
         self.thread = EngineThread(
             f"decode-{worker_id}",
             self._step,
@@ -91,6 +94,13 @@ class DecodeWorker:
             raise RuntimeError(f"decode worker crashed: {self.thread.error}")
         return updates
 
+    def stream_updates(self, endpoint: Endpoint, secret: str) -> None:
+        """Pushes every update from now on to the coordinator at `endpoint` (updates published
+        before are sent first). A second call replaces the first connection."""
+        if self.publisher is not None:
+            self.publisher.close()
+        self.publisher = UpdatePublisher(self.take_updates, endpoint, self.worker_id, secret)
+
     def stats(self) -> Future:
         return self.thread.submit(self._stats)
 
@@ -98,6 +108,8 @@ class DecodeWorker:
         """Stops serving: reservations and running requests are dropped (their KV blocks
         freed), and the engine is left idle. Transfers still arriving are read and discarded."""
         self.thread.stop()
+        if self.publisher is not None:
+            self.publisher.close()
         for request_id in self.engine.abort_all():
             self.receiver.forget(request_id)
         self._leases.clear()

@@ -20,8 +20,8 @@ from engine.config import EngineConfig
 from engine.engine import LLMEngine
 from kvtransfer.transport import make_transport
 from prefill.worker import PrefillReport, PrefillWorker
-from protocol.kv import Ticket
-from protocol.messages import PrefillResult, WorkerUpdate, WorkRequest
+from protocol.kv import Endpoint, Ticket
+from protocol.messages import PrefillResult, WorkRequest
 from protocol.stats import EngineHealth, WorkerStats
 
 ROLES = ("prefill", "decode")
@@ -118,9 +118,10 @@ class WorkerActor:
     async def add_local(self, request: WorkRequest) -> None:
         await asyncio.wrap_future(self._as(DecodeWorker).add_local(request))
 
-    async def updates(self, timeout: float) -> list[WorkerUpdate]:
-        """Long poll: every token update since the last call, for all requests at once."""
-        return await asyncio.to_thread(self._as(DecodeWorker).take_updates, timeout)
+    async def stream_updates(self, endpoint: Endpoint, secret: str) -> None:
+        """Connects to the coordinator at `endpoint` and pushes this worker's token updates
+        there, one frame per engine step, until the role ends or the connection breaks."""
+        await asyncio.to_thread(self._as(DecodeWorker).stream_updates, endpoint, secret)
 
     def _as(self, kind: type) -> PrefillWorker | DecodeWorker:
         worker = self.worker

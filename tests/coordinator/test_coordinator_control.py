@@ -31,8 +31,7 @@ TEST_TIMEOUT_S = 5.0
 
 @pytest.fixture(autouse=True)
 def killed(monkeypatch: pytest.MonkeyPatch) -> list[object]:
-    """Short polls, and the handles shutdown() would ray.kill (which would start a cluster)."""
-    monkeypatch.setattr(coordinator_module, "POLL_SECONDS", 0.02)
+    """Fast stats, and the handles shutdown() would ray.kill (which would start a cluster)."""
     monkeypatch.setattr(coordinator_module, "STATS_SECONDS", 60.0)  # only ready() refreshes
     handles: list[object] = []
     monkeypatch.setattr("ray.kill", handles.append)

@@ -29,7 +29,6 @@ GREEDY = SamplingParams(max_tokens=8, temperature=0)
 
 @pytest.fixture(autouse=True)
 def killed(monkeypatch: pytest.MonkeyPatch) -> list[object]:
-    monkeypatch.setattr(coordinator_module, "POLL_SECONDS", 0.02)
     monkeypatch.setattr(coordinator_module, "STATS_SECONDS", 0.02)
     monkeypatch.setattr(coordinator_module, "STATS_TIMEOUT", 0.05)
     handles: list[object] = []

@@ -2,7 +2,11 @@
 
 A FakeHandle stands for a Ray actor handle: `handle.method.remote(*args)` returns a coroutine
 (the coordinator awaits it under a deadline) and is recorded in `handle.calls`. Setting
-`handle.dead` makes every later call raise RayActorError, as a dead actor's calls do.
+`handle.dead` makes every later call raise RayActorError, as a dead actor's calls do, and closes
+its update stream, as a dead process's sockets close.
+
+A fake decode worker pushes its updates over a real connection to the coordinator's
+UpdateServer, in the real framing: the coordinator's reading path is the production one.
 
 Every request's output is OUTPUT[:max_tokens], whichever workers and attempts produce it: a
 worker resumes from the request's `output_ids`, so a retried request must still stream exactly
@@ -28,6 +32,7 @@ from protocol.kv import Endpoint, KVLayout, Ticket
 from protocol.messages import PrefillResult, RequestFailed, TokenUpdate, WorkerUpdate, WorkRequest
 from protocol.sampling import FinishReason
 from protocol.stats import EngineHealth, WorkerStats
+from protocol.wire import hello, pack_updates
 
 OUTPUT = [10, 11, 12, 13, 14, 15, 16, 17]  # every request's tokens, in order
 MAX_MODEL_LEN = 512
@@ -61,8 +66,18 @@ class FakeHandle:
     def __init__(self, actor: FakePrefillActor | FakeDecodeActor) -> None:
         self.actor = actor
         self.make_role: Callable[[str, str], Any] = _no_roles
-        self.dead = False
+        self._dead = False
         self.calls: dict[str, list[tuple]] = defaultdict(list)
+
+    @property
+    def dead(self) -> bool:
+        return self._dead
+
+    @dead.setter
+    def dead(self, dead: bool) -> None:
+        self._dead = dead
+        if dead:
+            self.actor.die()
 
     def __getattr__(self, name: str) -> FakeMethod:
         if name == "set_role":  # the actor object changes; the handle (the process) stays
@@ -70,6 +85,7 @@ class FakeHandle:
         return FakeMethod(self, name, getattr(self.actor, name))
 
     async def _set_role(self, role: str) -> float:
+        self.actor.die()  # the old role's update stream ends with it
         self.actor = self.make_role(role, self.actor.worker_id)
         return 0.0
 
@@ -96,9 +112,12 @@ class _FakeProcess:
             await asyncio.Event().wait()
         return EngineHealth(alive=True, busy=False, seconds_since_progress=0.0, error=None)
 
+    def die(self) -> None:
+        """The process is gone: whatever it had open closes."""
+
 
 class FakeDecodeActor(_FakeProcess):
-    """Emits each active request's next `batch` tokens per poll. `failures` maps a worker
+    """Emits each active request's next `batch` tokens per step. `failures` maps a worker
     request id to the number of tokens after which that attempt is reported lost
     (RequestFailed); `stall_after` stops every request's tokens after that many; `repeat`
     sends every batch twice; `room` False makes every reservation fail (None)."""
@@ -115,6 +134,8 @@ class FakeDecodeActor(_FakeProcess):
         self.reserved: dict[str, WorkRequest] = {}  # KV not arrived yet
         self.active: dict[str, tuple[WorkRequest, int]] = {}  # request, next output index
         self._wake = asyncio.Event()
+        self._pusher: asyncio.Task | None = None
+        self.step_seconds = 0.002
 
     async def reserve(self, work: WorkRequest, prefill_id: str) -> Ticket | None:
         if self.frozen:
@@ -141,16 +162,34 @@ class FakeDecodeActor(_FakeProcess):
         found = self.active.pop(request_id, None) or self.reserved.pop(request_id, None)
         return found is not None
 
-    async def updates(self, timeout: float) -> list[WorkerUpdate]:
+    async def stream_updates(self, endpoint: Endpoint, secret: str) -> None:
         if self.frozen:
             await asyncio.Event().wait()
-        updates = self._step()
-        if not updates:
-            self._wake.clear()
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._wake.wait(), timeout)
-            updates = self._step()
-        return updates
+        self.die()
+        _, writer = await asyncio.open_connection(*endpoint)
+        writer.write(hello(self.worker_id, secret))
+        self._pusher = asyncio.ensure_future(self._push(writer))
+
+    def die(self) -> None:
+        if self._pusher is not None:
+            self._pusher.cancel()
+
+    async def _push(self, writer: asyncio.StreamWriter) -> None:
+        """One frame per step while requests are active, as the real publisher sends."""
+        try:
+            while True:
+                if self.frozen:
+                    await asyncio.Event().wait()
+                updates = self._step()
+                if updates:
+                    writer.write(pack_updates(updates))
+                    await writer.drain()
+                    await asyncio.sleep(self.step_seconds)
+                else:
+                    self._wake.clear()
+                    await self._wake.wait()
+        finally:
+            writer.close()
 
     async def stats(self) -> WorkerStats:
         if self.frozen:
@@ -315,7 +354,6 @@ def served_fake_cluster(
     from coordinator.api.settings import ServerSettings
     from tests.support.servers import ServerThread
 
-    monkeypatch.setattr("coordinator.coordinator.POLL_SECONDS", 0.02)
     monkeypatch.setattr("ray.kill", lambda handle: None)
     config = CoordinatorConfig(block_size=4, supervision=ADMIN_SUPERVISION)
     cluster = FakeCluster(config, num_prefill=1, num_decode=1, spawn=True)
