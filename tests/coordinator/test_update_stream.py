@@ -92,13 +92,13 @@ def test_publisher_pushes_each_batch_as_one_frame_in_order() -> None:
         published.batches.put(UPDATES[2:])
         assert await stream.read() == UPDATES[:2]
         assert await stream.read() == UPDATES[2:]
-        assert publisher.frames_sent == 2
         # The worker's engine crashed: the publisher says so by closing its end.
         published.batches.put(RuntimeError("engine thread crashed"))
         with pytest.raises(asyncio.IncompleteReadError):
             await stream.read()
         await asyncio.to_thread(publisher.close)
         assert not publisher.alive
+        assert publisher.frames_sent == 2
         await server.close()
 
     run(scenario())
