@@ -48,6 +48,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
+import aiohttp
 import httpx
 import numpy as np
 from prometheus_client.parser import text_string_to_metric_families
@@ -56,7 +57,13 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from cli.serve import parse_size  # noqa: E402
-from loadtest.client import RequestResult, TextTiming, build_payload, send_request  # noqa: E402
+from loadtest.client import (  # noqa: E402
+    RequestResult,
+    TextTiming,
+    build_payload,
+    send_request,
+    stream_client,
+)
 from loadtest.config import RandomSpec, SamplingConfig, TargetConfig  # noqa: E402
 from loadtest.datasets import sample_random  # noqa: E402
 from loadtest.errors import BenchError, one_line  # noqa: E402
@@ -332,7 +339,7 @@ class EngineEndpoint:
 
 @dataclass
 class HttpEndpoint:
-    client: httpx.AsyncClient
+    client: aiohttp.ClientSession
     target: Target
     base_url: str
     timeout_s: float
@@ -349,12 +356,18 @@ class HttpEndpoint:
             return None
         await asyncio.sleep(STATS_SETTLE_S)  # the last requests' steps reach /metrics
         try:
-            response = await self.client.get(self.base_url + "/metrics", timeout=METRICS_TIMEOUT_S)
-            seconds = busy_seconds(response.text) if response.status_code == 200 else {}
-        except (httpx.HTTPError, ValueError):  # ValueError: text that is not Prometheus'
+            fetch = _get_text(self.client, self.base_url + "/metrics")
+            status, text = await asyncio.wait_for(fetch, METRICS_TIMEOUT_S)
+            seconds = busy_seconds(text) if status == 200 else {}
+        except (aiohttp.ClientError, TimeoutError, ValueError):  # ValueError: not Prometheus'
             seconds = {}
         self.counts_busy = bool(seconds)
         return seconds or None
+
+
+async def _get_text(client: aiohttp.ClientSession, url: str) -> tuple[int, str]:
+    async with client.get(url) as response:
+        return response.status, await response.text()
 
 
 # ---- sessions: one target up, measured, down -------------------------------------------------
@@ -451,10 +464,8 @@ def http_session(base_url: str, workload: Workload, args: argparse.Namespace) ->
 async def _http_rounds(
     target: Target, base_url: str, workload: Workload, args: argparse.Namespace
 ) -> dict[int, Round]:
-    timeout = httpx.Timeout(args.request_timeout, connect=CONNECT_TIMEOUT_S)
-    # One connection per stream, kept; trust_env=False: no proxy between client and server.
-    limits = httpx.Limits(max_connections=max(args.concurrency) + 1, max_keepalive_connections=None)
-    async with httpx.AsyncClient(timeout=timeout, limits=limits, trust_env=False) as client:
+    # One connection per stream, kept (plus one for /metrics).
+    async with stream_client(max(args.concurrency) + 1) as client:
         endpoint = HttpEndpoint(client, target, base_url.rstrip("/"), args.request_timeout)
         return await measure_all(endpoint, workload, args.concurrency)
 

@@ -43,6 +43,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import NamedTuple
 
+import aiohttp
 import httpx
 import numpy as np
 from prometheus_client.parser import text_string_to_metric_families
@@ -50,7 +51,7 @@ from prometheus_client.parser import text_string_to_metric_families
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from loadtest.client import build_payload, send_request  # noqa: E402
+from loadtest.client import build_payload, send_request, stream_client  # noqa: E402
 from loadtest.config import SamplingConfig  # noqa: E402
 from loadtest.errors import BenchError, one_line  # noqa: E402
 from loadtest.prompts import synthesize_text  # noqa: E402
@@ -293,7 +294,8 @@ class Tally:
 
 @dataclass(frozen=True)
 class Load:
-    client: httpx.AsyncClient
+    streams: aiohttp.ClientSession  # the requests timed, read as `tandem bench` reads them
+    client: httpx.AsyncClient  # the requests that disconnect early
     probes: httpx.AsyncClient  # its own pool, so probes never queue behind requests
     target: Target
     base_url: str
@@ -305,7 +307,7 @@ class Load:
         prompt = self.prompts[index]
         payload = build_payload(self.target, prompt, SAMPLING)
         timeout = self.config.request_timeout_s
-        r = await send_request(self.client, self.target, payload, prompt.prompt_len, timeout)
+        r = await send_request(self.streams, self.target, payload, prompt.prompt_len, timeout)
         error = r.error
         if error is None and r.output_tokens != prompt.expected_output_len:
             error = f"{r.output_tokens} of {prompt.expected_output_len} tokens"
@@ -470,10 +472,11 @@ async def soak(config: SoakConfig, base_url: str, root: int | None) -> Measureme
     timeout = httpx.Timeout(config.request_timeout_s, connect=PROBE_TIMEOUT_S)
     limits = httpx.Limits(max_connections=config.concurrency + 1)
     async with (
+        stream_client(config.concurrency + 1) as streams,
         httpx.AsyncClient(timeout=timeout, limits=limits, trust_env=False) as client,
         httpx.AsyncClient(timeout=PROBE_TIMEOUT_S, trust_env=False) as probes,
     ):
-        load = Load(client, probes, target, base_url, prompts, config, Tally())
+        load = Load(streams, client, probes, target, base_url, prompts, config, Tally())
         first = await load.complete(0)
         if first.error is not None:
             raise SoakError(f"the first request failed: {first.error}")

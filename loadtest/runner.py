@@ -8,18 +8,17 @@ import enum
 import time
 from dataclasses import dataclass
 
-import httpx
+import aiohttp
 from tqdm import tqdm
 
 from loadtest.arrivals import send_offsets
-from loadtest.client import RequestResult, build_payload, send_request
+from loadtest.client import RequestResult, build_payload, send_request, stream_client
 from loadtest.config import LoadConfig, SamplingConfig
 from loadtest.errors import BenchError
 from loadtest.sample import SampleRequest
 from loadtest.target import Target
 
 PROBE_MAX_TOKENS = 16
-CONNECT_TIMEOUT_S = 10.0
 
 
 @dataclass(frozen=True)
@@ -44,10 +43,7 @@ async def run_load(
     request_timeout_s: float,
     show_progress: bool,
 ) -> RunOutcome:
-    timeout = httpx.Timeout(request_timeout_s, connect=min(CONNECT_TIMEOUT_S, request_timeout_s))
-    limits = httpx.Limits(max_connections=load.max_concurrency, max_keepalive_connections=None)
-    # trust_env=False: a proxy between client and server would distort every latency measured.
-    async with httpx.AsyncClient(timeout=timeout, limits=limits, trust_env=False) as client:
+    async with stream_client(load.max_concurrency) as client:
         sender = _Sender(client, target, sampling, request_timeout_s)
         await sender.probe(samples[0])
         await sender.warm_up(samples, load)
@@ -56,7 +52,7 @@ async def run_load(
 
 @dataclass(frozen=True)
 class _Sender:
-    client: httpx.AsyncClient
+    client: aiohttp.ClientSession
     target: Target
     sampling: SamplingConfig
     timeout_s: float

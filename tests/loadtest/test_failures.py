@@ -95,7 +95,7 @@ def test_malformed_dataset(serve, tmp_path: Path) -> None:
     [
         (Failure.HTTP_500, "HTTP 500 Internal Server Error: scripted failure"),
         (Failure.ERROR_EVENT, "error in the stream: scripted failure"),
-        (Failure.CUT_STREAM, "RemoteProtocolError: "),
+        (Failure.CUT_STREAM, "the response was cut off: "),
     ],
 )
 def test_errors_mid_run_save_partial_results(serve, tmp_path: Path, failure, reason) -> None:

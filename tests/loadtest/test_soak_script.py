@@ -142,7 +142,7 @@ def test_flags() -> None:
 
 def test_greedy_texts_are_compared_with_the_first_and_problems_counted_once() -> None:
     tally = soak.Tally()
-    load = soak.Load(None, None, None, "", [], None, tally)  # _compare reads the tally only
+    load = soak.Load(None, None, None, None, "", [], None, tally)  # _compare reads the tally only
     assert load._compare(3, "the cat sat") is None
     assert load._compare(3, "the cat sat") is None
     message = load._compare(3, "the dog sat")
