@@ -156,7 +156,10 @@ def _add_cluster_flags(g: argparse._ArgumentGroup) -> None:
         "--address", help="Ray cluster to join ('auto' on a head node; default: start one)"
     )
     g.add_argument(
-        "--prefill-workers", type=int, default=deploy("num_prefill"), help="prefill pool size"
+        "--prefill-workers",
+        type=int,
+        help=f"prefill pool size (default: {deploy('num_prefill')}; in colocated mode 0, so the "
+        "pool is one worker with every core, unless set: then the pool is prefill + decode)",
     )
     g.add_argument(
         "--decode-workers",
@@ -292,7 +295,7 @@ def deploy_config(args: argparse.Namespace) -> DeployConfig:
     """Where the workers run and how they talk, from the flags."""
     return DeployConfig(
         mode=args.mode,
-        num_prefill=args.prefill_workers,
+        num_prefill=_prefill_workers(args),
         num_decode=args.decode_workers,
         address=args.address,
         kv_transport=args.kv_transport,
@@ -302,6 +305,14 @@ def deploy_config(args: argparse.Namespace) -> DeployConfig:
         threads_per_worker=args.threads_per_worker,
         model_name=args.served_model_name,
     )
+
+
+def _prefill_workers(args: argparse.Namespace) -> int:
+    # One colocated worker with all the cores serves more than two with half each (measured in
+    # benchmarks/serving.py; docs/performance.md).
+    if args.prefill_workers is not None:
+        return args.prefill_workers
+    return 0 if args.mode == "colocated" else DeployConfig.num_prefill
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:

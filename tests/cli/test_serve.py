@@ -50,8 +50,19 @@ def test_help_lists_every_flag(capsys) -> None:
 def test_defaults() -> None:
     args = serve_args()
     assert (args.host, args.port, args.mode) == ("127.0.0.1", 8000, "disaggregated")
-    assert (args.prefill_workers, args.decode_workers) == (1, 1)
+    assert (args.prefill_workers, args.decode_workers) == (None, 1)
     assert args.kv_cache_memory == 2**30
+
+
+def test_colocated_defaults_to_one_worker_unless_sizes_are_given() -> None:
+    assert (deploy_config(serve_args()).num_prefill, deploy_config(serve_args()).num_decode) == (
+        1,
+        1,
+    )
+    colocated = deploy_config(serve_args("--mode", "colocated"))
+    assert (colocated.num_prefill, colocated.num_decode) == (0, 1)
+    sized = deploy_config(serve_args("--mode", "colocated", "--prefill-workers", "1"))
+    assert sized.num_prefill + sized.num_decode == 2  # the pool: prefill + decode workers
 
 
 def test_defaults_are_the_configs_defaults(tmp_path) -> None:
