@@ -188,6 +188,12 @@ def _add_cluster_flags(g: argparse._ArgumentGroup) -> None:
         help="how long a decode worker holds blocks reserved for KV that has not arrived",
     )
     g.add_argument(
+        "--kv-checksum",
+        action=argparse.BooleanOptionalAction,
+        default=deploy("kv_checksum"),
+        help="check every transferred layer's checksum before decoding from it",
+    )
+    g.add_argument(
         "--threads-per-worker",
         type=int,
         default=deploy("threads_per_worker"),
@@ -300,6 +306,7 @@ def deploy_config(args: argparse.Namespace) -> DeployConfig:
         address=args.address,
         kv_transport=args.kv_transport,
         transfer_timeout=args.kv_transfer_timeout,
+        kv_checksum=args.kv_checksum,
         local_prefill_threshold=args.local_prefill_threshold,
         placement_timeout=args.placement_timeout,
         threads_per_worker=args.threads_per_worker,

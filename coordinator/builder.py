@@ -140,7 +140,11 @@ class WorkerSpawner:
         args = (worker_id, self.engine, self.deploy.kv_transport, self.deploy.transfer_timeout)
         options = self._options(None if pool == "colocated" else pool)
         role = "prefill" if pool == "prefill" else "decode"
-        handle = ray.remote(WorkerActor).options(**options).remote(*args, self.threads, role)
+        handle = (
+            ray.remote(WorkerActor)
+            .options(**options)
+            .remote(*args, self.threads, role, verify_kv=self.deploy.kv_checksum)
+        )
         return worker_id, handle
 
     def check_room(self) -> None:

@@ -8,6 +8,7 @@ For each request:
     D pushes its token batches, one frame per engine step for all its requests, over its own
         connection to the coordinator (coordinator/update_server.py); no per-token Ray call
 Failures: a dead or hung P, a failed or expired transfer, or a dead or hung D end the attempt;
+KV that fails its checksum is retried once as usual, then recomputed on the decode worker;
 the request is placed again, on other workers when there are any, with the tokens generated so
 far (a decode worker resumes it as if preempted), up to MAX_ATTEMPTS. Every remote call has a
 deadline. Pool membership (health probes, replacements, drains, sizes) is the Supervisor's.
@@ -40,6 +41,7 @@ from protocol.stats import PoolWorker, WorkerStats
 
 log = logging.getLogger(__name__)
 MAX_ATTEMPTS = 4
+MAX_CORRUPT_TRANSFERS = 2  # KV checksum failures before a request is prefilled on its decoder
 STATS_SECONDS = 1.0
 STATS_TIMEOUT = 1.0  # per worker: a slow one keeps its last report (marked stale)
 START_TIMEOUT = 600.0  # model loading on a cold node
@@ -279,6 +281,7 @@ class Coordinator:
                 return
             except Exception as err:
                 self._note_failure(prefill_id, err)
+                request.broken_channel = (route.decode_id, ticket.channel_key)
                 request.avoid.add(prefill_id)
                 request.lose(f"prefill on {prefill_id} failed: {_brief(err)}")
                 return
@@ -310,7 +313,8 @@ class Coordinator:
         that does not answer in time fails the attempt (TimeoutError)."""
         deadline = time.monotonic() + self.config.capacity_wait
         while True:
-            route = self.router.route(work.token_ids, frozenset(request.avoid))
+            local = request.corrupt_transfers >= MAX_CORRUPT_TRANSFERS
+            route = self.router.route(work.token_ids, frozenset(request.avoid), local)
             self.router.placed(route, work.token_ids)
             request.route = route  # from here on, ending the attempt frees what D reserved
             decode = self.decode[route.decode_id]
@@ -318,7 +322,9 @@ class Coordinator:
                 if route.prefill_id is None:
                     await self._call(decode.add_local, work)
                     return None
-                ticket = await self._call(decode.reserve, work, route.prefill_id)
+                broken = request.broken_channel
+                key = broken[1] if broken is not None and broken[0] == route.decode_id else None
+                ticket = await self._call(decode.reserve, work, route.prefill_id, key)
             except RayActorError as err:
                 self._unplace(request, work)
                 self._note_failure(route.decode_id, err)
@@ -381,6 +387,7 @@ class Coordinator:
         if request is None:  # an attempt that already ended
             return
         if isinstance(update, RequestFailed):
+            request.corrupt_transfers += update.corrupt
             if update.retry:
                 request.lose(update.reason)
             else:

@@ -33,6 +33,9 @@ class TrackedRequest:
         self.lost_reason: str | None = None
         self.failed = False  # ended in an error the client has been given
         self.avoid: set[str] = set()  # workers that failed it: chosen again only as a last resort
+        self.corrupt_transfers = 0  # attempts whose KV failed its checksum
+        # (decode worker, channel key) its prefill found broken: the next reservation replaces it
+        self.broken_channel: tuple[str, str] | None = None
         self.num_cached_tokens = 0
         self.queue_seconds: float | None = None
 

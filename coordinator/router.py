@@ -73,10 +73,12 @@ class Router:
         self.block_size = block_size
         self.local_threshold = local_threshold
 
-    def route(self, token_ids: list[int], avoid: frozenset[str] = frozenset()) -> Route:
+    def route(
+        self, token_ids: list[int], avoid: frozenset[str] = frozenset(), local: bool = False
+    ) -> Route:
         """Picks workers (it records nothing: call `placed` as soon as the route is used).
         Workers in `avoid` (those that just failed this request) are chosen only when no
-        other worker of their pool can take it."""
+        other worker of their pool can take it. `local`: the decode worker prefills it."""
         hashes = prefix_hashes(token_ids, self.block_size)
         decode = min(
             _preferred(_open(self.decode, "decode"), avoid),
@@ -84,7 +86,7 @@ class Router:
         )
         uncached = len(token_ids) - decode.overlap(hashes) * self.block_size
         prefills = _preferred([w for w in self.prefill.values() if w.alive and w.accepting], avoid)
-        if not prefills or uncached < self.local_threshold:
+        if local or not prefills or uncached < self.local_threshold:
             return Route(decode.worker_id, None)
         prefill = min(
             prefills, key=lambda w: (w.queued_tokens // PREFILL_LOAD_BUCKET, -w.overlap(hashes))

@@ -41,10 +41,12 @@ class DecodeWorker:
         transport: Transport,
         transfer_timeout: float,
         host: str = "127.0.0.1",
+        verify_kv: bool = True,
     ) -> None:
         """Serves `engine` (idle, owned by no thread yet) until shutdown(), which leaves it
-        idle again for another role."""
+        idle again for another role. `verify_kv`: tickets ask for the KV's checksums."""
         self.worker_id = worker_id
+        self.verify_kv = verify_kv
         self.engine = engine
         self.transfer_timeout = transfer_timeout
         self.layout = self.engine.kv_layout
@@ -74,9 +76,13 @@ class DecodeWorker:
 
     # -- any thread ------------------------------------------------------------------------
 
-    def reserve(self, request: WorkRequest, prefill_id: str) -> Future:
-        """Future of a Ticket, or of None when the blocks do not fit now."""
-        return self.thread.submit(self._reserve, request, prefill_id)
+    def reserve(
+        self, request: WorkRequest, prefill_id: str, broken_key: str | None = None
+    ) -> Future:
+        """Future of a Ticket, or of None when the blocks do not fit now. `broken_key`: a
+        channel the prefill worker found broken (a new one is opened if this side has not
+        noticed)."""
+        return self.thread.submit(self._reserve, request, prefill_id, broken_key)
 
     def add_local(self, request: WorkRequest) -> Future:
         return self.thread.submit(self._add_local, request)
@@ -116,7 +122,9 @@ class DecodeWorker:
 
     # -- engine thread ---------------------------------------------------------------------
 
-    def _reserve(self, request: WorkRequest, prefill_id: str) -> Ticket | None:
+    def _reserve(
+        self, request: WorkRequest, prefill_id: str, broken_key: str | None
+    ) -> Ticket | None:
         if not self.engine.has_room(len(self._leases)):
             return None  # the decode batch is full; the coordinator waits or goes elsewhere
         reservation = self.engine.reserve(
@@ -125,10 +133,12 @@ class DecodeWorker:
         if reservation is None:
             return None
         num_tokens = len(request.prompt_ids) + len(request.output_ids)
-        key = self.receiver.channel_key(prefill_id)
+        key = self.receiver.channel_key(prefill_id, broken_key)
         bs = self.engine.config.block_size
         slots = slots_of(reservation.block_table, reservation.num_cached_tokens, num_tokens, bs)
-        self.receiver.expect(request.request_id, key, slots, reservation.num_cached_tokens)
+        self.receiver.expect(
+            request.request_id, key, slots, reservation.num_cached_tokens, self.verify_kv
+        )
         self._leases[request.request_id] = time.monotonic() + self.transfer_timeout
         return Ticket(
             request_id=request.request_id,
@@ -139,6 +149,7 @@ class DecodeWorker:
             num_tokens=num_tokens,
             layout=self.layout,
             timeout=self.transfer_timeout,
+            verify=self.verify_kv,
         )
 
     def _add_local(self, request: WorkRequest) -> None:
@@ -159,7 +170,7 @@ class DecodeWorker:
         if self._leases.pop(event.request_id, None) is None:
             return  # aborted or expired meanwhile; its blocks are already free
         if isinstance(event, TransferFailed):
-            self._fail(event.request_id, event.reason)
+            self._fail(event.request_id, event.reason, corrupt=event.corrupt)
             return
         self.transfers.seconds.observe(event.seconds)
         self._publish([self.engine.admit(event.request_id, event.token_id, _logprobs(event))])
@@ -174,10 +185,11 @@ class DecodeWorker:
             self.receiver.forget(request_id)
             self._fail(request_id, f"KV did not arrive within {self.transfer_timeout:.1f}s")
 
-    def _fail(self, request_id: str, reason: str) -> None:
+    def _fail(self, request_id: str, reason: str, corrupt: bool = False) -> None:
         self.engine.release(request_id)
         self.transfers.failures += 1
-        self._publish([RequestFailed(request_id, reason)])
+        self.transfers.checksum_failures += corrupt
+        self._publish([RequestFailed(request_id, reason, corrupt=corrupt)])
 
     def _publish(self, updates: list[WorkerUpdate]) -> None:
         if not updates:
@@ -193,6 +205,7 @@ class DecodeWorker:
     def _stats(self) -> WorkerStats:
         snapshot = self.engine.snapshot()
         self.transfers.bytes = self.receiver.bytes_received
+        self.transfers.stale_frames = self.receiver.stale_frames
         return WorkerStats.of(
             self.worker_id,
             "decode",

@@ -3,8 +3,15 @@ and scatters each layer into the blocks reserved for the request.
 
     prefill P --channel(key)--> receiver thread for key
         StepFrame + a payload per (layer, chunk) -> unpack into the chunk's reserved slots
-        DoneFrame(r, token)                  -> Arrived(r, token, ...)   (all layers are in)
+        DoneFrame(r, token, digest)          -> Arrived(r, token, ...)   (all layers are in and
+                                                their checksums fold to `digest`)
         AbortFrame(r) / channel error        -> TransferFailed(r, reason)
+        a digest that differs                -> TransferFailed(r, reason, corrupt=True)
+
+Fencing: frames and payloads are matched to reservations by the attempt's own request id, under
+the lock `forget` takes, so nothing of an attempt that was forgotten (aborted, expired, retried)
+lands in blocks that may now hold another request; such bytes are read, dropped and counted
+(`stale_frames`).
 
 Events go to `on_event`, called on the receiver thread; the decode worker hands them to its
 engine thread. Reservations (`expect`) and `forget` may be called from any thread.
@@ -23,6 +30,7 @@ from typing import NamedTuple
 import torch
 
 from kernels import ops
+from kvtransfer.integrity import DIGEST_START, fold, payload_sum
 from kvtransfer.transport import Channel, Rendezvous, TransferError, Transport
 from kvtransfer.wire import AbortFrame, DoneFrame, PostedFrame, StepFrame
 from protocol.kv import KVLayout
@@ -42,6 +50,7 @@ class Arrived(NamedTuple):
 class TransferFailed(NamedTuple):
     request_id: str
     reason: str
+    corrupt: bool = False  # the bytes arrived but are not the ones sent
 
 
 ReceiveEvent = Arrived | TransferFailed
@@ -53,8 +62,10 @@ class _Expected:
     slots: torch.Tensor  # [num_tokens - num_cached] cache slots, in token order
     num_cached: int
     bytes_expected: int
+    verify: bool = True
     bytes_received: int = 0
     first_frame: float | None = None
+    digest: int = DIGEST_START
 
 
 class StagingBuffers:
@@ -104,9 +115,14 @@ class KVReceiver:
         self._keys: dict[str, str] = {}  # prefill worker id -> its live channel key
         self._generation = itertools.count()
         self.bytes_received = 0
+        self.stale_frames = 0  # payloads and frames of attempts no longer expected, dropped
 
-    def channel_key(self, prefill_id: str) -> str:
-        """The live channel key for a prefill peer, starting a receiver thread if none runs."""
+    def channel_key(self, prefill_id: str, broken: str | None = None) -> str:
+        """The live channel key for a prefill peer, starting a receiver thread if none runs.
+        `broken`: a key the prefill side found broken; if it is still the live one here (this
+        side has not noticed yet), it is given up and a new channel starts."""
+        if broken is not None and self._keys.get(prefill_id) == broken:
+            self._close_key(prefill_id, broken)
         with self._lock:
             key = self._keys.get(prefill_id)
             if key is None:
@@ -120,7 +136,9 @@ class KVReceiver:
                 ).start()
             return key
 
-    def expect(self, request_id: str, key: str, slots: list[int], num_cached: int) -> None:
+    def expect(
+        self, request_id: str, key: str, slots: list[int], num_cached: int, verify: bool = True
+    ) -> None:
         expected = _Expected(
             key=key,
             slots=torch.tensor(slots, dtype=torch.int64, device=self.kv_caches[0][0].device),
@@ -128,6 +146,7 @@ class KVReceiver:
             bytes_expected=self.layout.num_layers
             * len(slots)
             * self.layout.bytes_per_token_layer(),
+            verify=verify,
         )
         with self._lock:
             self._expected[request_id] = expected
@@ -162,6 +181,8 @@ class KVReceiver:
             return self._receive_step(channel, frame, spare)
         with self._lock:
             expected = self._expected.pop(frame.request_id, None)
+            if expected is None:
+                self.stale_frames += 1
         if expected is not None:
             self._finish(frame, expected)
         return PostedFrame(channel)
@@ -185,11 +206,17 @@ class KVReceiver:
         return following
 
     def _unpack(self, request_id: str, layer: int, start: int, payload: torch.Tensor) -> None:
-        # Under the lock: once forget() returns, no write lands in blocks that may be reused.
         with self._lock:
             expected = self._expected.get(request_id)
-            if expected is None:  # expired or aborted meanwhile: drop the bytes
+        # The checksum outside the lock (the engine thread takes it to reserve and forget).
+        checksum = payload_sum(payload) if expected is not None and expected.verify else None
+        # Under the lock: once forget() returns, no write lands in blocks that may be reused.
+        with self._lock:
+            if self._expected.get(request_id) is not expected or expected is None:
+                self.stale_frames += 1  # expired, aborted or retried meanwhile: drop the bytes
                 return
+            if checksum is not None:
+                expected.digest = fold(expected.digest, checksum)
             offset = start - expected.num_cached
             slots = expected.slots[offset : offset + payload.shape[1]]
             key_cache, value_cache = self.kv_caches[layer]
@@ -205,6 +232,9 @@ class KVReceiver:
         elif expected.bytes_received != expected.bytes_expected:
             reason = f"received {expected.bytes_received} of {expected.bytes_expected} KV bytes"
             self.on_event(TransferFailed(frame.request_id, reason))
+        elif expected.verify and frame.digest != expected.digest:
+            reason = "KV checksum mismatch: the bytes received are not the bytes sent"
+            self.on_event(TransferFailed(frame.request_id, reason, corrupt=True))
         else:
             seconds = time.monotonic() - (expected.first_frame or time.monotonic())
             self.on_event(

@@ -18,6 +18,7 @@ from typing import NamedTuple
 
 import torch
 
+from kvtransfer.integrity import DIGEST_START, fold, payload_sum
 from kvtransfer.transport import Channel, Pending, TransferError, Transport
 from kvtransfer.wire import AbortFrame, DoneFrame, Frame, StepFrame, encode_frame
 from protocol.kv import Ticket
@@ -35,6 +36,7 @@ class SendRecord:
     started: float | None = None  # monotonic time its first payload was posted
     finished: float | None = None
     layer_sends: list[tuple[int, float, float]] = field(default_factory=list)  # layer, start, end
+    digest: int = DIGEST_START  # of the payloads posted so far (kvtransfer/integrity.py)
 
     @property
     def seconds(self) -> float:
@@ -128,6 +130,10 @@ class KVSender:
             case _SendFrame(ticket, DoneFrame() | AbortFrame() as last):
                 if ticket.request_id in self._failed:
                     return  # its failure was reported already
+                if isinstance(last, DoneFrame) and ticket.verify:
+                    # Every payload of the request was posted before its done frame.
+                    record = self._records.get(ticket.request_id, SendRecord())
+                    job = _SendFrame(ticket, last._replace(digest=record.digest))
                 if self._start(job):
                     self._drain(0)
                     self._complete(ticket.request_id, last)
@@ -152,10 +158,12 @@ class KVSender:
         match job:
             case _SendFrame(frame=frame):
                 tensors = encode_frame(frame)
-            case _SendLayer(payload=payload, ready=ready):
+            case _SendLayer(ticket=ticket, payload=payload, ready=ready):
                 record.started = record.started or start  # a transfer starts with its first KV
                 if ready is not None:
                     ready.synchronize()
+                if ticket.verify:
+                    record.digest = fold(record.digest, payload_sum(payload))
                 tensors = [payload]
         for tensor in tensors:
             self._inflight.append((channel.send_async(tensor), job, start))

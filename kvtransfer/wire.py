@@ -8,6 +8,8 @@ per (layer, chunk), layer by layer as the layers finish:
 
     Step[(A, 0, 96), (B, 40, 8)]  A.L0 B.L0  A.L1 B.L1 ...  A.L29 B.L29   Done(A)  Done(B)
 
+(each Done carrying the digest of its request's payloads when the ticket asks for checksums)
+
 so the receiver can post every payload receive of the step at once, and nothing on the wire
 waits for it. A frame too long for FRAME_BYTES is sent as {"ext": n} plus n bytes of msgpack.
 """
@@ -34,12 +36,15 @@ class StepFrame(NamedTuple):
 
 
 class DoneFrame(NamedTuple):
-    """Every layer of the request has been sent; `token_id` is the token prefill sampled."""
+    """Every layer of the request has been sent; `token_id` is the token prefill sampled.
+    `digest` folds every payload's checksum (kvtransfer/integrity.py); None when the ticket
+    asked for none."""
 
     request_id: str
     token_id: int
     logprob: float | None
     top_logprobs: list[tuple[int, float]] | None
+    digest: int | None = None
 
 
 class AbortFrame(NamedTuple):

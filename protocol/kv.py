@@ -38,6 +38,7 @@ class Ticket(NamedTuple):
     num_tokens: int  # tokens whose KV the decode worker needs in total
     layout: KVLayout
     timeout: float  # seconds the decode worker holds the reservation (a lease)
+    verify: bool = True  # the prefill side sends a digest of the KV; the decode side checks it
 
     @property
     def num_bytes(self) -> int:

@@ -44,11 +44,13 @@ class TokenUpdate(NamedTuple):
 
 class RequestFailed(NamedTuple):
     """A worker lost one request (its KV never arrived, or its own step failed on it). `retry`
-    says whether another attempt can succeed; a request that broke the sampler cannot."""
+    says whether another attempt can succeed; a request that broke the sampler cannot.
+    `corrupt`: its KV arrived but failed its checksum (nothing was decoded from it)."""
 
     request_id: str
     reason: str
     retry: bool = True
+    corrupt: bool = False
 
 
 WorkerUpdate = TokenUpdate | RequestFailed

@@ -94,6 +94,8 @@ class WorkerStats:
     kv_transfer_count: int = 0  # completed request transfers
     kv_transfer_seconds_sum: float = 0.0
     kv_transfer_buckets: tuple[int, ...] = (0,) * len(TRANSFER_BUCKETS)  # cumulative counts
+    kv_checksum_failures: int = 0  # transfers whose bytes failed their checksum (decode)
+    kv_stale_frames: int = 0  # frames and payloads of attempts no longer expected (decode)
     requests_prefilled_locally: int = 0
     kv_transport: str = ""  # gloo | nccl | ucx; empty where nothing moves
     stale: bool = False  # the worker missed its last report; these are older values
@@ -135,6 +137,8 @@ class TransferCounters:
     transport: str
     bytes: int = 0
     failures: int = 0
+    checksum_failures: int = 0
+    stale_frames: int = 0
     seconds: Histogram = field(default_factory=Histogram)
 
     def fields(self) -> dict[str, object]:
@@ -142,6 +146,8 @@ class TransferCounters:
         return {
             "kv_transfer_bytes": self.bytes,
             "kv_transfer_failures": self.failures,
+            "kv_checksum_failures": self.checksum_failures,
+            "kv_stale_frames": self.stale_frames,
             "kv_transfer_count": self.seconds.count,
             "kv_transfer_seconds_sum": self.seconds.total,
             "kv_transfer_buckets": self.seconds.cumulative(),

@@ -18,7 +18,7 @@ import torch
 from decode.worker import DecodeWorker
 from engine.config import EngineConfig
 from engine.engine import LLMEngine
-from kvtransfer.transport import make_transport
+from kvtransfer.transport import Transport, make_transport
 from prefill.worker import PrefillReport, PrefillWorker
 from protocol.kv import Endpoint, Ticket
 from protocol.messages import PrefillResult, WorkRequest
@@ -36,18 +36,22 @@ class WorkerActor:
         self,
         worker_id: str,
         config: EngineConfig,
-        transport: str,
+        transport: str | Transport,  # a registered name, or a transport made by the caller
         transfer_timeout: float,
         num_threads: int,
         role: str,
         host: str | None = None,
+        verify_kv: bool = True,
     ) -> None:
         torch.set_num_threads(num_threads)
         self.worker_id = worker_id
         self.transfer_timeout = transfer_timeout
+        self.verify_kv = verify_kv
         self.host = host or ray.util.get_node_ip_address()
         self.engine = LLMEngine(config)
-        self.transport = make_transport(transport, torch.device(config.device))
+        if isinstance(transport, str):
+            transport = make_transport(transport, torch.device(config.device))
+        self.transport = transport
         self.role = role
         self.worker: PrefillWorker | DecodeWorker = self._start(role)
 
@@ -55,7 +59,12 @@ class WorkerActor:
         if role == "prefill":
             return PrefillWorker(self.worker_id, self.engine, self.transport, self.transfer_timeout)
         return DecodeWorker(
-            self.worker_id, self.engine, self.transport, self.transfer_timeout, self.host
+            self.worker_id,
+            self.engine,
+            self.transport,
+            self.transfer_timeout,
+            self.host,
+            self.verify_kv,
         )
 
     # -- both roles ------------------------------------------------------------------------
@@ -112,8 +121,11 @@ class WorkerActor:
 
     # -- decode ----------------------------------------------------------------------------
 
-    async def reserve(self, request: WorkRequest, prefill_id: str) -> Ticket | None:
-        return await asyncio.wrap_future(self._as(DecodeWorker).reserve(request, prefill_id))
+    async def reserve(
+        self, request: WorkRequest, prefill_id: str, broken_key: str | None = None
+    ) -> Ticket | None:
+        decode = self._as(DecodeWorker)
+        return await asyncio.wrap_future(decode.reserve(request, prefill_id, broken_key))
 
     async def add_local(self, request: WorkRequest) -> None:
         await asyncio.wrap_future(self._as(DecodeWorker).add_local(request))

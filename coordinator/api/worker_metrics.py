@@ -36,6 +36,10 @@ COUNTERS = (
     ("tandem:kv_transfer_bytes", "KV bytes sent (prefill) or received (decode).",
      "kv_transfer_bytes"),
     ("tandem:kv_transfer_failures", "KV transfers that failed.", "kv_transfer_failures"),
+    ("tandem:kv_checksum_failures", "KV transfers whose bytes failed their checksum.",
+     "kv_checksum_failures"),
+    ("tandem:kv_stale_frames", "KV frames and payloads of attempts no longer expected, dropped "
+     "unread into any block.", "kv_stale_frames"),
     ("tandem:requests_prefilled_locally", "Requests a decode worker prefilled itself.",
      "requests_prefilled_locally"),
     ("tandem:engine_busy_seconds", "Time the worker's engine thread spent inside step(): its "

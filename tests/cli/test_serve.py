@@ -24,7 +24,7 @@ FLAGS = [
     "--prefill-workers", "--decode-workers", "--dtype", "--device", "--block-size",
     "--kv-cache-memory", "--max-num-seqs", "--max-num-batched-tokens", "--max-model-len",
     "--local-prefill-threshold", "--kv-transport", "--api-key", "--max-queue",
-    "--shutdown-grace", "--prefix-caching", "--seed", "--log-level",
+    "--shutdown-grace", "--prefix-caching", "--seed", "--log-level", "--kv-checksum",
 ]  # fmt: skip
 START_TIMEOUT_S = 120
 STOP_TIMEOUT_S = 30

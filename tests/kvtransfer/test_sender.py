@@ -3,11 +3,13 @@ request's on_finished reports, when sends succeed, fail, or the request is abort
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import pytest
 import torch
 
+from kvtransfer.integrity import DIGEST_START, fold, payload_sum
 from kvtransfer.sender import WINDOW, KVSender, SendRecord
 from kvtransfer.transport import TransferError
 from kvtransfer.wire import FRAME_BYTES, AbortFrame, DoneFrame, Frame, StepFrame, recv_frame
@@ -162,7 +164,13 @@ def test_posts_frames_and_payloads_in_submission_order() -> None:
     assert len(stream) == 1 + len(payloads) + 2
     for got, want in zip(stream[1:-2], payloads, strict=True):
         assert torch.equal(got, want)
-    assert stream[-2:] == [DoneFrame("A", 11, None, None), DoneFrame("B", 12, None, None)]
+    # Each done frame carries the digest of its own request's payloads, in send order.
+    digests = [functools.reduce(fold, map(payload_sum, mine), DIGEST_START)
+               for mine in (payloads[0::2], payloads[1::2])]  # fmt: skip
+    assert stream[-2:] == [
+        DoneFrame("A", 11, None, None, digests[0]),
+        DoneFrame("B", 12, None, None, digests[1]),
+    ]
 
     assert [(f.request_id, f.error) for f in finished] == [("A", None), ("B", None)]
     for report, sent in zip(finished, (payloads[0::2], payloads[1::2]), strict=True):

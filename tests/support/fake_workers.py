@@ -137,7 +137,9 @@ class FakeDecodeActor(_FakeProcess):
         self._pusher: asyncio.Task | None = None
         self.step_seconds = 0.002
 
-    async def reserve(self, work: WorkRequest, prefill_id: str) -> Ticket | None:
+    async def reserve(
+        self, work: WorkRequest, prefill_id: str, broken_key: str | None = None
+    ) -> Ticket | None:
         if self.frozen:
             await asyncio.Event().wait()
         if not self.room:

@@ -1,0 +1,122 @@
+"""Fault injection for tests: a transport whose channels misbehave on purpose.
+
+    FaultyTransport(inner, Fault.CORRUPT, on_payload=3)
+
+wraps any transport; on the prefill (sending) side, the chosen payload send (counting payloads
+only, not frames, over all of the transport's channels; 0 is the first) is dropped, corrupted
+(one bit flipped in a copy, after the sender computed its checksum), delayed, sent twice, or the
+channel is cut just before it. `every=True` repeats the fault on every payload from then on.
+Receiving is passed through: the decode side sees only what arrives.
+
+Nothing in the product imports this module; the fault-injection suite
+(tests/kvtransfer/test_fault_injection.py) builds workers around it.
+"""
+
+from __future__ import annotations
+
+import enum
+import threading
+import time
+
+import torch
+
+from kvtransfer.transport import Channel, Pending, TransferError, Transport
+from protocol.kv import Endpoint
+
+
+class Fault(enum.Enum):
+    DROP = "drop"  # the payload never leaves
+    CORRUPT = "corrupt"  # one bit flipped on the wire
+    DELAY = "delay"  # sent `delay` seconds late (the sender thread sleeps)
+    DUPLICATE = "duplicate"  # sent twice
+    CUT = "cut"  # the channel closes before the payload
+
+
+class FaultyTransport:
+    def __init__(
+        self,
+        inner: Transport,
+        fault: Fault,
+        on_payload: int = 0,
+        every: bool = False,
+        delay: float = 0.0,
+    ) -> None:
+        self.inner = inner
+        self.name = inner.name
+        self.fault = fault
+        self.on_payload = on_payload
+        self.every = every
+        self.delay = delay
+        self.injected = 0  # faults injected so far, over every channel
+        self.payloads = 0  # payload sends seen so far, over every channel
+        self._lock = threading.Lock()
+
+    def strikes(self) -> bool:
+        """Whether the payload being sent now gets the fault."""
+        with self._lock:
+            index = self.payloads
+            self.payloads += 1
+        return index == self.on_payload or (self.every and index > self.on_payload)
+
+    def connect(self, rendezvous: Endpoint, key: str, timeout: float) -> Channel:
+        return _FaultyChannel(self.inner.connect(rendezvous, key, timeout), self)
+
+    def accept(self, rendezvous, key: str, timeout: float) -> Channel:
+        return self.inner.accept(rendezvous, key, timeout)
+
+    def close(self) -> None:
+        close = getattr(self.inner, "close", None)
+        if close is not None:
+            close()
+
+
+class _Done:
+    def wait(self, timeout: float | None) -> None:
+        return None
+
+
+class _FaultyChannel:
+    def __init__(self, channel: Channel, plan: FaultyTransport) -> None:
+        self.channel = channel
+        self.plan = plan
+
+    def send_async(self, tensor: torch.Tensor) -> Pending:
+        if _is_frame(tensor) or not self.plan.strikes():
+            return self.channel.send_async(tensor)
+        self.plan.injected += 1
+        fault = self.plan.fault
+        if fault is Fault.DROP:
+            return _Done()
+        if fault is Fault.CORRUPT:
+            return self.channel.send_async(_flip_one_bit(tensor))
+        if fault is Fault.DELAY:
+            time.sleep(self.plan.delay)
+            return self.channel.send_async(tensor)
+        if fault is Fault.DUPLICATE:
+            self.channel.send_async(tensor).wait(None)
+            return self.channel.send_async(tensor)
+        self.channel.close()  # Fault.CUT
+        raise TransferError("injected: the channel was cut")
+
+    def send(self, tensor: torch.Tensor, timeout: float) -> None:
+        self.send_async(tensor).wait(timeout)
+
+    def recv_async(self, tensor: torch.Tensor) -> Pending:
+        return self.channel.recv_async(tensor)
+
+    def recv(self, tensor: torch.Tensor, timeout: float | None) -> None:
+        self.channel.recv_async(tensor).wait(timeout)
+
+    def close(self) -> None:
+        self.channel.close()
+
+
+def _is_frame(tensor: torch.Tensor) -> bool:
+    return tensor.dim() == 1  # frames (and their msgpack extensions) are flat bytes
+
+
+def _flip_one_bit(tensor: torch.Tensor) -> torch.Tensor:
+    copy = tensor.clone()
+    raw = copy.reshape(-1).view(torch.uint8)
+    raw[raw.numel() // 2] ^= 0x10
+    return copy

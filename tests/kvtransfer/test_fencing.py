@@ -1,0 +1,112 @@
+"""Fencing: bytes of an attempt the decode side has given up on (expired, aborted, retried) never
+land in KV blocks, even when they arrive after the retry's own KV, into the very same blocks.
+
+An old attempt ("r#1", from prefill worker p0) sends its first layer, then is held back; the
+decode side forgets it and reserves the same slots for the retry ("r#2", from p1), whose whole
+transfer lands; only then does the old attempt send the rest. Real senders and receivers over
+every transport, in one process.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+
+from kvtransfer.receiver import Arrived, KVReceiver, ReceiveEvent
+from kvtransfer.sender import KVSender
+from kvtransfer.transport import Rendezvous
+from protocol.kv import KVLayout, Ticket
+from tests.support.transports import TRANSPORTS, close_transport, transport_named
+
+LAYOUT = KVLayout(num_layers=2, kv_heads=2, head_dim=4, dtype="float32")
+NUM_TOKENS = 8
+SLOTS = list(range(4, 4 + NUM_TOKENS))  # blocks 1 and 2 of 4-token blocks
+TIMEOUT = 10.0
+
+
+class Events:
+    def __init__(self) -> None:
+        self.items: list[ReceiveEvent] = []
+        self.changed = threading.Condition()
+
+    def add(self, event: ReceiveEvent) -> None:
+        with self.changed:
+            self.items.append(event)
+            self.changed.notify_all()
+
+    def wait_for(self, request_id: str) -> ReceiveEvent:
+        deadline = time.monotonic() + TIMEOUT
+        with self.changed:
+            while True:
+                found = [e for e in self.items if e.request_id == request_id]
+                if found:
+                    return found[0]
+                assert self.changed.wait(deadline - time.monotonic()), f"no event for {request_id}"
+
+
+def payload(value: float) -> torch.Tensor:
+    return torch.full((2, NUM_TOKENS, LAYOUT.kv_heads, LAYOUT.head_dim), value)
+
+
+@pytest.mark.parametrize("name", TRANSPORTS)
+def test_an_abandoned_attempt_never_writes_into_its_retrys_blocks(name: str) -> None:
+    transports = [transport_named(name) for _ in range(3)]  # decode, p0, p1
+    shape = (4, 4, LAYOUT.kv_heads, LAYOUT.head_dim)  # 4 blocks of 4 tokens
+    caches = [(torch.zeros(shape), torch.zeros(shape)) for _ in range(LAYOUT.num_layers)]
+    events = Events()
+    rendezvous = Rendezvous("127.0.0.1")
+    receiver = KVReceiver(transports[0], rendezvous, caches, LAYOUT, "d0", events.add, TIMEOUT)
+    finished: list[tuple[str, object]] = []
+    senders = [
+        KVSender(t, TIMEOUT, lambda r, record, err: finished.append((r, err)))
+        for t in transports[1:]
+    ]
+
+    def ticket(request_id: str, prefill_id: str) -> Ticket:
+        key = receiver.channel_key(prefill_id)
+        return Ticket(request_id, "d0", rendezvous.endpoint, key, 0, NUM_TOKENS, LAYOUT, TIMEOUT)
+
+    try:
+        old, retry = ticket("r#1", "p0"), ticket("r#2", "p1")
+        receiver.expect("r#1", old.channel_key, SLOTS, 0)
+        old_sender, retry_sender = senders
+        old_sender.open(old)  # both channels up before anything is sent
+        retry_sender.open(retry)
+        old_sender.send_step([(old, 0, NUM_TOKENS)], LAYOUT.num_layers)
+        old_sender.send_layer(old, 0, payload(1.0))
+        _wait_until(lambda: receiver.bytes_received == payload(1.0).numel() * 4)
+        # The decode side gives up on r#1 (its lease expired) and reserves the same slots for
+        # the retry, prefilled by another worker.
+        receiver.forget("r#1")
+        receiver.expect("r#2", retry.channel_key, SLOTS, 0)
+        retry_sender.send_step([(retry, 0, NUM_TOKENS)], LAYOUT.num_layers)
+        for layer in range(LAYOUT.num_layers):
+            retry_sender.send_layer(retry, layer, payload(2.0 + layer))
+        retry_sender.send_done(retry, 7, None)
+        arrived = events.wait_for("r#2")
+        assert isinstance(arrived, Arrived) and arrived.token_id == 7
+        # Now the old attempt's remaining layer and done frame arrive.
+        stale_before = receiver.stale_frames
+        old_sender.send_layer(old, 1, payload(1.0))
+        old_sender.send_done(old, 5, None)
+        _wait_until(lambda: receiver.stale_frames == stale_before + 2)  # a payload, a frame
+        for layer, (key_cache, value_cache) in enumerate(caches):
+            for cache in (key_cache, value_cache):
+                rows = cache.reshape(-1, LAYOUT.kv_heads, LAYOUT.head_dim)[SLOTS]
+                assert torch.equal(rows, torch.full_like(rows, 2.0 + layer))
+        assert [e.request_id for e in events.items] == ["r#2"]  # nothing about r#1
+    finally:
+        for sender in senders:
+            sender.close()
+        for transport in transports:
+            close_transport(transport)
+
+
+def _wait_until(condition) -> None:
+    deadline = time.monotonic() + TIMEOUT
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.01)
