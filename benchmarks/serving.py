@@ -289,11 +289,13 @@ def busy_fractions(
     before: dict[str, float] | None, after: dict[str, float] | None, wall_s: float
 ) -> dict[str, float] | None:
     """Busy fraction of every worker counted at both ends (a restarted one, whose counter went
-    back, is left out); None when the target does not count."""
+    back, is left out); None when the target does not count. A step running when the window
+    opened counts whole when it ends, so a short round of a saturated engine can read slightly
+    over 1: it is reported as 1."""
     if not before or not after or wall_s <= 0:
         return None
     return {
-        worker: (after[worker] - before[worker]) / wall_s
+        worker: min(1.0, (after[worker] - before[worker]) / wall_s)
         for worker in sorted(before.keys() & after.keys())
         if after[worker] >= before[worker]
     } or None

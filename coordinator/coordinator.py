@@ -37,7 +37,7 @@ from protocol.errors import EngineDeadError, PoolError, RequestFailedError
 from protocol.limits import ModelLimits
 from protocol.messages import PrefillResult, RequestFailed, WorkerUpdate, WorkRequest
 from protocol.sampling import SamplingParams
-from protocol.stats import PoolWorker, WorkerStats
+from protocol.stats import HANDOVER_BUCKETS, Histogram, PoolWorker, WorkerStats
 
 log = logging.getLogger(__name__)
 MAX_ATTEMPTS = 4
@@ -99,6 +99,7 @@ class Coordinator:
             self.supervisor.add(decode_pool, worker_id, handle)
         self._requests: dict[str, TrackedRequest] = {}  # by worker request id
         self._stats: dict[str, WorkerStats] = {}
+        self.handover = Histogram(HANDOVER_BUCKETS)  # seconds: see _attempt
         self._tasks: set[asyncio.Task] = set()
         self.updates = UpdateServer(config.update_host)
         self._followers: dict[str, asyncio.Task] = {}  # decode worker id -> its update reader
@@ -291,6 +292,10 @@ class Coordinator:
             request.route = Route(route.decode_id, None)
             if result.token_id not in request.params.stop_ids(self.eos_ids):
                 request.accept_first(len(work.output_ids), result.token_id, result.logprobs)
+            if result.computed_at and request.first_token_at is not None:
+                # From the end of its prefill step to its first token leaving for the client
+                # (by this path or, if it was quicker, from the decode worker).
+                self.handover.observe(max(0.0, request.first_token_at - result.computed_at))
         await request.ended.wait()
 
     @staticmethod

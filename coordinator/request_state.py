@@ -8,6 +8,7 @@ dropped, and tokens are never skipped.
 from __future__ import annotations
 
 import asyncio
+import time
 
 from coordinator.router import Route
 from engine.output_processor import RequestState
@@ -34,6 +35,7 @@ class TrackedRequest:
         self.failed = False  # ended in an error the client has been given
         self.avoid: set[str] = set()  # workers that failed it: chosen again only as a last resort
         self.corrupt_transfers = 0  # attempts whose KV failed its checksum
+        self.first_token_at: float | None = None  # wall clock this attempt's first token left
         # (decode worker, channel key) its prefill found broken: the next reservation replaces it
         self.broken_channel: tuple[str, str] | None = None
         self.num_cached_tokens = 0
@@ -52,6 +54,7 @@ class TrackedRequest:
         self.attempt += 1
         self.ended = asyncio.Event()
         self.lost_reason = None
+        self.first_token_at = None
         return WorkRequest(
             self.worker_request_id, self.prompt_ids, self.params, list(self.output_ids)
         )
@@ -101,6 +104,8 @@ class TrackedRequest:
             queue_seconds=self.queue_seconds,
         )
         output, stop_string_hit = self.frontend.apply(update)
+        if self.first_token_at is None:
+            self.first_token_at = time.time()
         self.stream.put_nowait(output)
         if self.finished:
             self.ended.set()

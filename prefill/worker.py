@@ -59,6 +59,7 @@ class _Sampled(NamedTuple):
     logprobs: TokenLogprobs | None
     num_cached_tokens: int  # prompt tokens found in this worker's prefix cache
     step_end: float  # monotonic time its step ended
+    computed_at: float  # the same moment on the wall clock (comparable across processes)
 
 
 class _StepSlots(NamedTuple):
@@ -173,7 +174,9 @@ class PrefillWorker:
                 self._abort(update.request_id, RequestFailedError(update.reason))
                 continue
             token, logprobs = update.token_ids[0], update.logprobs[0]
-            pending.sampled = _Sampled(token, logprobs, update.num_cached_tokens, time.monotonic())
+            pending.sampled = _Sampled(
+                token, logprobs, update.num_cached_tokens, time.monotonic(), time.time()
+            )
             self.sender.send_done(pending.ticket, token, logprobs)
 
     def _send_layer(self, plan: StepPlan, layer: int) -> None:
@@ -240,11 +243,13 @@ class PrefillWorker:
         sampled = pending.sampled
         result = PrefillResult(
             request_id, sampled.token_id, sampled.logprobs, sampled.num_cached_tokens,
-            record.bytes_sent,
+            record.bytes_sent, sampled.computed_at,
         )  # fmt: skip
+        exposed = max(0.0, record.finished - sampled.step_end)
+        self.transfers.exposed.observe(exposed)
         trace = PrefillTrace(
             record.seconds,
-            max(0.0, record.finished - sampled.step_end),
+            exposed,
             pending.layers_computed,
             record.layer_sends,
         )

@@ -65,3 +65,5 @@ class PrefillResult(NamedTuple):
     logprobs: TokenLogprobs | None
     num_cached_tokens: int  # prompt tokens the prefill worker found in its own prefix cache
     bytes_sent: int
+    computed_at: float = 0.0  # wall clock (time.time()) when the step that sampled `token_id`
+    # ended: where the handover to the client starts (tandem:kv_handover_seconds)

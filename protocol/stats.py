@@ -11,6 +11,10 @@ from typing import NamedTuple
 
 # Upper bounds (seconds) of the kv_transfer_seconds histogram buckets; +Inf is implied.
 TRANSFER_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+HANDOVER_BUCKETS = (
+    0.0005, 0.001, 0.002, 0.003, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.05, 0.075, 0.1, 0.25,
+    0.5, 1.0, 2.5,
+)  # fmt: skip
 
 
 @dataclass
@@ -94,6 +98,9 @@ class WorkerStats:
     kv_transfer_count: int = 0  # completed request transfers
     kv_transfer_seconds_sum: float = 0.0
     kv_transfer_buckets: tuple[int, ...] = (0,) * len(TRANSFER_BUCKETS)  # cumulative counts
+    kv_exposed_count: int = 0  # prefill: transfers timed after their prefill step ended ...
+    kv_exposed_seconds_sum: float = 0.0  # ... and that exposed part (what TTFT pays for KV)
+    kv_exposed_buckets: tuple[int, ...] = (0,) * len(TRANSFER_BUCKETS)
     kv_checksum_failures: int = 0  # transfers whose bytes failed their checksum (decode)
     kv_stale_frames: int = 0  # frames and payloads of attempts no longer expected (decode)
     requests_prefilled_locally: int = 0
@@ -140,6 +147,7 @@ class TransferCounters:
     checksum_failures: int = 0
     stale_frames: int = 0
     seconds: Histogram = field(default_factory=Histogram)
+    exposed: Histogram = field(default_factory=Histogram)  # of that, after the prefill step
 
     def fields(self) -> dict[str, object]:
         """WorkerStats fields for these counters."""
@@ -151,5 +159,8 @@ class TransferCounters:
             "kv_transfer_count": self.seconds.count,
             "kv_transfer_seconds_sum": self.seconds.total,
             "kv_transfer_buckets": self.seconds.cumulative(),
+            "kv_exposed_count": self.exposed.count,
+            "kv_exposed_seconds_sum": self.exposed.total,
+            "kv_exposed_buckets": self.exposed.cumulative(),
             "kv_transport": self.transport,
         }

@@ -21,7 +21,11 @@ class ServerContext:
         self.created = int(time.time())
         self.admission = Admission(settings.max_queue, settings.retry_after_s)
         self.metrics = ServerMetrics(
-            client.model_name, client.stats, lambda: self.admission.num_waiting, client.pools
+            client.model_name,
+            client.stats,
+            lambda: self.admission.num_waiting,
+            client.pools,
+            getattr(client, "handover", None),  # disaggregated backends time the KV handover
         )
         self.token_texts = TokenTexts(client.tokenizer)
 

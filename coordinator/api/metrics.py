@@ -15,6 +15,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from coordinator.api.streams import closing
 from coordinator.api.worker_metrics import WorkerStatsCollector
 from engine.outputs import RequestOutput
+from protocol.stats import Histogram as ProtocolHistogram
 from protocol.stats import PoolWorker, WorkerStats
 
 LATENCY_BUCKETS = (
@@ -38,6 +39,7 @@ class ServerMetrics:
         worker_stats: Callable[[], list[WorkerStats]],
         admission_waiting: Callable[[], int],
         pools: Callable[[], list[PoolWorker]] = list,
+        handover: ProtocolHistogram | None = None,
     ) -> None:
         self.model = model
         self.registry = r = CollectorRegistry()
@@ -53,6 +55,7 @@ class ServerMetrics:
         self.queue_time = self._histogram(
             "request_queue_time_seconds", "Time waiting to be scheduled.", REQUEST_BUCKETS
         )
+
         self.prompt_tokens = Counter(
             "tandem:prompt_tokens", "Prompt tokens of started requests.", ["model"], registry=r
         ).labels(model)
@@ -68,7 +71,7 @@ class ServerMetrics:
             ["model"], registry=r,
         )  # fmt: skip
         waiting.labels(model).set_function(admission_waiting)
-        r.register(WorkerStatsCollector(model, worker_stats, pools))
+        r.register(WorkerStatsCollector(model, worker_stats, pools, handover))
 
     def _histogram(self, name: str, text: str, buckets: tuple[float, ...]) -> Histogram:
         family = Histogram(

@@ -17,7 +17,7 @@ from prometheus_client.core import (
 )
 from prometheus_client.registry import Collector
 
-from protocol.stats import TRANSFER_BUCKETS, PoolWorker, WorkerStats
+from protocol.stats import TRANSFER_BUCKETS, Histogram, PoolWorker, WorkerStats
 
 WORKER_LABELS = ["model", "worker", "pool"]
 
@@ -53,10 +53,12 @@ class WorkerStatsCollector(Collector):
         model: str,
         stats: Callable[[], list[WorkerStats]],
         pools: Callable[[], list[PoolWorker]] = list,
+        handover: Histogram | None = None,
     ) -> None:
         self.model = model
         self.stats = stats
         self.pools = pools
+        self.handover = handover
 
     def describe(self) -> list[Metric]:
         return []  # nothing to check at registration; the names are fixed above
@@ -74,6 +76,12 @@ class WorkerStatsCollector(Collector):
                 family.add_metric(self._labels(s), float(getattr(s, attribute)))
             yield family
         yield self._transfer_seconds(snapshot)
+        yield self._histogram(
+            "tandem:kv_transfer_exposed_seconds",
+            "Of a request's KV transfer, the part after its prefill step ended (TTFT pays it).",
+            snapshot,
+            lambda s: (s.kv_exposed_buckets, s.kv_exposed_count, s.kv_exposed_seconds_sum),
+        )
         yield self._step_seconds(snapshot)
         yield self._pool_queue_depth(snapshot)
         yield self._transport(snapshot)
@@ -86,6 +94,20 @@ class WorkerStatsCollector(Collector):
         for s in snapshot:
             stale.add_metric(self._labels(s), float(s.stale))
         yield stale
+        if self.handover is not None:
+            yield self._handover(self.handover)
+
+    def _handover(self, handover: Histogram) -> Metric:
+        family = HistogramMetricFamily(
+            "tandem:kv_handover_seconds",
+            "Disaggregated requests: from the end of the prefill step on the prefill worker to "
+            "the first token leaving the coordinator for the client (KV transfer, result, "
+            "dispatch). Wall clocks: across hosts it includes their skew.",
+            labels=["model"],
+        )
+        buckets = [(str(b), n) for b, n in zip(handover.bounds, handover.cumulative(), strict=True)]
+        family.add_metric([self.model], [*buckets, ("+Inf", handover.count)], handover.total)
+        return family
 
     def _pool_states(self, workers: list[PoolWorker]) -> Iterator[Metric]:
         sizes = GaugeMetricFamily(

@@ -31,7 +31,9 @@ def test_unclaimed_reservation_expires_and_frees_its_blocks(tiny_llama) -> None:
         while not updates:
             assert time.monotonic() < deadline, "the lease never expired"
             updates = decode.take_updates(timeout=0.5)
-        assert updates[0].request_id == "orphan" and "did not arrive" in updates[0].reason
+        # The lease expires, or (as quickly) the channel no prefill worker opened gives up.
+        assert updates[0].request_id == "orphan"
+        assert "did not arrive" in updates[0].reason or "broke" in updates[0].reason
         assert decode.engine.blocks.num_free_blocks == 64
     finally:
         decode.shutdown()

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from collections import defaultdict
 from collections.abc import AsyncIterator, Callable, Coroutine, Iterator
 from typing import Any
@@ -245,6 +246,7 @@ class FakePrefillActor(_FakeProcess):
         self.decodes = decodes
         self.failures: dict[str, Exception] = {}
         self.hangs: set[str] = set()
+        self.handover_seconds = 0.02  # how long ago its results say the prefill step ended
 
     async def prefill(self, work: WorkRequest, ticket: Ticket) -> PrefillResult:
         if work.request_id in self.failures:
@@ -253,7 +255,8 @@ class FakePrefillActor(_FakeProcess):
             await asyncio.Event().wait()
         self.decodes[ticket.decode_id].kv_arrived(work.request_id)
         token_id = OUTPUT[len(work.output_ids)]
-        return PrefillResult(work.request_id, token_id, None, 0, ticket.num_bytes)
+        computed_at = time.time() - self.handover_seconds  # as if the KV took this long
+        return PrefillResult(work.request_id, token_id, None, 0, ticket.num_bytes, computed_at)
 
     async def abort(self, request_id: str) -> None:
         return None

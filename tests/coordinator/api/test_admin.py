@@ -87,6 +87,24 @@ def test_a_thousand_readiness_probes_start_nothing(cluster) -> None:
     assert OUTPUT  # the fake workers' script is loaded
 
 
+def test_the_handover_of_disaggregated_requests_is_in_metrics(cluster) -> None:
+    _, http = cluster
+    body = {"prompt": [1, 2, 3, 4, 5, 6], "max_tokens": 4, "temperature": 0}
+    for _ in range(3):
+        assert http.post("/v1/completions", json=body, headers=AUTH).status_code == 200
+    metrics = http.get("/metrics").text
+    count = _sample(metrics, "tandem:kv_handover_seconds_count")
+    total = _sample(metrics, "tandem:kv_handover_seconds_sum")
+    assert count == 3.0  # one per request: its prefill worker's token
+    assert 3 * 0.02 <= total < 3 * 1.0  # the fake prefill step ended 20 ms before its result
+
+
+def _sample(metrics: str, name: str) -> float:
+    lines = [line for line in metrics.splitlines() if line.startswith(name + "{")]
+    assert len(lines) == 1, lines
+    return float(lines[0].rsplit(" ", 1)[1])
+
+
 def test_role_switch_over_http(cluster) -> None:
     _, http = cluster
     http.post("/admin/pools", json={"decode": 2}, headers=AUTH)
