@@ -68,6 +68,15 @@ class _Expected:
     digest: int = DIGEST_START
 
 
+class _StepBroke(Exception):
+    """A step's receive failed; `posted` holds what may still be posted (pending, buffer)."""
+
+    def __init__(self, error: Exception, posted: list[object]) -> None:
+        super().__init__(str(error))
+        self.error = error
+        self.posted = posted
+
+
 class StagingBuffers:
     """Payload buffers kept for reuse by one receiver thread, so a step's receives land in
     memory that is already mapped (fresh host memory faults on first touch, page by page)."""
@@ -116,6 +125,10 @@ class KVReceiver:
         self._generation = itertools.count()
         self.bytes_received = 0
         self.stale_frames = 0  # payloads and frames of attempts no longer expected, dropped
+        # Receives still posted on channels that broke: a transport may write into their
+        # buffers after the receiver gave up (UCX does), so the buffers must outlive the
+        # channel, or the bytes land in memory Python has handed to something else.
+        self._posted_on_broken: list[object] = []
 
     def channel_key(self, prefill_id: str, broken: str | None = None) -> str:
         """The live channel key for a prefill peer, starting a receiver thread if none runs.
@@ -160,17 +173,28 @@ class KVReceiver:
         # Unpacking is a small memory-bound copy: one thread, or it fights the engine thread
         # for cores (a fresh thread would otherwise use them all).
         torch.set_num_threads(1)
+        channel, posted = None, None
         try:
             channel = self.transport.accept(self.rendezvous.store, key, self.timeout)
             posted = PostedFrame(channel)
             spare = StagingBuffers()
             while True:
                 posted = self._receive_one(channel, posted, spare)
+        except _StepBroke as broke:
+            log.warning("KV channel %s closed: %s", key, broke.error)
+            self._keep_posted(broke.posted)
         except TransferError as err:
             log.warning("KV channel %s closed: %s", key, err)
         except Exception:  # never let a receiver die silently: its requests must fail
             log.exception("KV receiver for %s failed", key)
+        self._keep_posted([posted])
+        if channel is not None:
+            channel.close()
         self._close_key(prefill_id, key)
+
+    def _keep_posted(self, posted: list[object]) -> None:
+        with self._lock:
+            self._posted_on_broken.extend(p for p in posted if p is not None)
 
     def _receive_one(
         self, channel: Channel, posted: PostedFrame, spare: StagingBuffers
@@ -199,10 +223,17 @@ class KVReceiver:
                 payload = spare.take(kv, (2, num_tokens, *kv.shape[2:]))  # [2, n, heads, dim]
                 arriving.append((channel.recv_async(payload), payload, layer, request_id, start))
         following = PostedFrame(channel)
-        for pending, payload, layer, request_id, start in arriving:
-            pending.wait(self.timeout)
-            self._unpack(request_id, layer, start, payload)
-            spare.give_back(payload)
+        done = 0
+        try:
+            for pending, payload, layer, request_id, start in arriving:
+                pending.wait(self.timeout)
+                self._unpack(request_id, layer, start, payload)
+                spare.give_back(payload)
+                done += 1
+        except Exception as err:
+            # This and every later receive of the step may still be posted.
+            still_posted = [entry[:2] for entry in arriving[done:]]
+            raise _StepBroke(err, [*still_posted, following]) from err
         return following
 
     def _unpack(self, request_id: str, layer: int, start: int, payload: torch.Tensor) -> None:

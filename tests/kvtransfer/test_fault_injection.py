@@ -79,20 +79,24 @@ def prompts_and_expected(tiny_llama):
 
 
 # KNOWN BUG, found by this suite and not fixed yet: a channel whose stream falls out of step (a
-# payload lost or doubled between the sender's framing and the wire) delivers a message into a
-# receive of another size. gloo then aborts the whole receiving process (its size check throws on
-# its own thread); ucx-shm reports the truncation, but in about one run of four a request whose
-# own transfer had landed intact and passed its checksum then decodes wrong tokens (its tokens
-# after its first new KV block are 0). The fix is per-message sequence tags, so a missing or extra
-# message never lands in another message's receive. Skipped, not hidden: the closing note of the
-# KV handoff issue lists it.
+# payload lost or doubled between the sender's framing and the wire: the channel's message
+# sequence then pairs a message with another message's receive, of another size). ucx-tcp fails
+# the channel cleanly and every output stays exact. gloo aborts the whole receiving process (its
+# size check throws on its own thread). ucx-shm reports the truncation, but in about one run of
+# three another request on the decode worker then decodes a few wrong tokens (0s) although its
+# own KV landed intact and passed its checksum: memory outside the receive buffers is written.
+# Skipped there, not hidden: the closing note of the KV handoff issue lists it.
 OUT_OF_STEP = pytest.mark.skip(reason="known bug: an out-of-step KV stream (see above)")
+BREAKS_ON = ("gloo", "ucx-shm")
 PARAMS = [
     pytest.param(
         name,
         transport.values[0],
         id=f"{name}-{transport.id}",
-        marks=[*transport.marks, *([OUT_OF_STEP] if name in ("drop", "duplicate") else [])],
+        marks=[
+            *transport.marks,
+            *([OUT_OF_STEP] if name in ("drop", "duplicate") and transport.id in BREAKS_ON else []),
+        ],
     )
     for name in CASES
     for transport in TRANSPORTS
