@@ -143,7 +143,13 @@ class WorkerSpawner:
         handle = (
             ray.remote(WorkerActor)
             .options(**options)
-            .remote(*args, self.threads, role, verify_kv=self.deploy.kv_checksum)
+            .remote(
+                *args,
+                self.threads,
+                role,
+                verify_kv=self.deploy.kv_checksum,
+                kv_fault=self.deploy.kv_fault,
+            )
         )
         return worker_id, handle
 

@@ -19,6 +19,7 @@ class DeployConfig:
     kv_transport: str = "auto"  # auto, or one of kvtransfer.names.TRANSPORT_NAMES
     transfer_timeout: float = 60.0  # seconds a reservation waits for its KV (a lease)
     kv_checksum: bool = True  # decode workers check a digest of every transfer's KV
+    kv_fault: str | None = None  # tests only: every worker's KV sends misbehave (kvtransfer/faults)
     local_prefill_threshold: int = 0  # tokens; shorter uncached prompts prefill on decode
     threads_per_worker: int | None = None  # CPU only; default: cores / workers
     placement_timeout: float = 30.0  # seconds Ray may take to place each worker's process

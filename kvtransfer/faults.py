@@ -8,8 +8,9 @@ only, not frames, over all of the transport's channels; 0 is the first) is dropp
 channel is cut just before it. `every=True` repeats the fault on every payload from then on.
 Receiving is passed through: the decode side sees only what arrives.
 
-Nothing in the product imports this module; the fault-injection suite
-(tests/kvtransfer/test_fault_injection.py) builds workers around it.
+The fault-injection suite (tests/kvtransfer/test_fault_injection.py) builds workers around it;
+tests that need it in Ray workers pass a spec through DeployConfig.kv_fault (test only), which
+`FaultyTransport.from_spec` reads: "delay,delay=0.2,every", "corrupt,on=3", ...
 """
 
 from __future__ import annotations
@@ -57,6 +58,23 @@ class FaultyTransport:
             index = self.payloads
             self.payloads += 1
         return index == self.on_payload or (self.every and index > self.on_payload)
+
+    @classmethod
+    def from_spec(cls, inner: Transport, spec: str) -> FaultyTransport:
+        """`spec`: a fault name, then `on=N`, `delay=S`, `every`, comma-separated."""
+        name, *options = spec.split(",")
+        fields: dict[str, object] = {}
+        for option in options:
+            key, _, value = option.partition("=")
+            if key == "every":
+                fields["every"] = True
+            elif key == "on":
+                fields["on_payload"] = int(value)
+            elif key == "delay":
+                fields["delay"] = float(value)
+            else:
+                raise ValueError(f"unknown fault option {option!r} in {spec!r}")
+        return cls(inner, Fault(name), **fields)
 
     def connect(self, rendezvous: Endpoint, key: str, timeout: float) -> Channel:
         return _FaultyChannel(self.inner.connect(rendezvous, key, timeout), self)

@@ -42,6 +42,7 @@ class WorkerActor:
         role: str,
         host: str | None = None,
         verify_kv: bool = True,
+        kv_fault: str | None = None,  # tests only: see kvtransfer/faults.py
     ) -> None:
         torch.set_num_threads(num_threads)
         self.worker_id = worker_id
@@ -51,6 +52,10 @@ class WorkerActor:
         self.engine = LLMEngine(config)
         if isinstance(transport, str):
             transport = make_transport(transport, torch.device(config.device))
+        if kv_fault is not None:
+            from kvtransfer.faults import FaultyTransport
+
+            transport = FaultyTransport.from_spec(transport, kv_fault)
         self.transport = transport
         self.role = role
         self.worker: PrefillWorker | DecodeWorker = self._start(role)

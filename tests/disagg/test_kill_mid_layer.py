@@ -1,0 +1,47 @@
+"""kill -9 of either side while a KV transfer is between two layers, on real Ray workers: every
+payload send on the prefill side is held back (a test-only transport fault), so each request's
+transfer spans a visible time and the kill lands inside one. Requests finish exactly as an
+undisturbed run, nothing hangs, the surviving side stays up and holds no KV blocks."""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import ray
+
+from tests.disagg.test_failures import assert_all_blocks_free
+from tests.disagg.test_self_healing import HEAL_TIMEOUT_S, run_with, serving, wait_for
+
+SLOW_SENDS = "delay,delay=0.1,every"  # every KV payload leaves 0.1 s late
+
+
+def mid_transfer(prompts):
+    """Some requests have their first token (their KV landed), others are still moving."""
+    return lambda p: 1 <= len(p) < len(prompts)
+
+
+def test_kill_9_of_the_prefill_worker_mid_layer(tiny_llama, build_pool, loop, prompts, expected):
+    client = build_pool(tiny_llama, num_prefill=1, num_decode=1, kv_fault=SLOW_SENDS)
+    pid = ray.get(client.prefill["prefill-0"].pid.remote(), timeout=30)
+    outputs = run_with(loop, client, prompts, mid_transfer(prompts), lambda: os.kill(pid, 9))
+    assert outputs == expected  # the lost transfers were redone (on the decode worker, or anew)
+    assert ray.get(client.decode["decode-0"].health.remote(), timeout=10).alive
+    wait_for(lambda: len(serving(client, "prefill")) == 1, HEAL_TIMEOUT_S)
+    assert client.supervisor.restarts()["prefill"] == 1
+    assert_all_blocks_free(loop, [*client.prefill.values(), *client.decode.values()])
+
+
+def test_kill_9_of_a_decode_worker_mid_layer(tiny_llama, build_pool, loop, prompts, expected):
+    client = build_pool(tiny_llama, num_prefill=1, num_decode=2, kv_fault=SLOW_SENDS)
+    pid = ray.get(client.decode["decode-0"].pid.remote(), timeout=30)
+    outputs = run_with(
+        loop, client, prompts, mid_transfer(prompts), lambda: os.kill(pid, signal.SIGKILL)
+    )
+    assert outputs == expected
+    prefill = client.prefill["prefill-0"]
+    assert ray.get(prefill.health.remote(), timeout=10).alive
+    sent = ray.get(prefill.stats.remote(), timeout=10)
+    assert sent.kv_transfer_seconds_sum / sent.kv_transfer_count >= 0.1  # the sends were slow
+    wait_for(lambda: len(serving(client, "decode")) == 2, HEAL_TIMEOUT_S)
+    assert_all_blocks_free(loop, [*client.prefill.values(), *client.decode.values()])
