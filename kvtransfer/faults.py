@@ -26,10 +26,10 @@ from protocol.kv import Endpoint
 
 
 class Fault(enum.Enum):
-    DROP = "drop"  # the payload never leaves
+    DROP = "drop"  # lost on the wire: it takes its message number but never arrives
     CORRUPT = "corrupt"  # one bit flipped on the wire
     DELAY = "delay"  # sent `delay` seconds late (the sender thread sleeps)
-    DUPLICATE = "duplicate"  # sent twice
+    DUPLICATE = "duplicate"  # arrives twice (the second copy under the same message number)
     CUT = "cut"  # the channel closes before the payload
 
 
@@ -104,6 +104,7 @@ class _FaultyChannel:
         self.plan.injected += 1
         fault = self.plan.fault
         if fault is Fault.DROP:
+            self.channel.skip_message()
             return _Done()
         if fault is Fault.CORRUPT:
             return self.channel.send_async(_flip_one_bit(tensor))
@@ -111,8 +112,9 @@ class _FaultyChannel:
             time.sleep(self.plan.delay)
             return self.channel.send_async(tensor)
         if fault is Fault.DUPLICATE:
-            self.channel.send_async(tensor).wait(None)
-            return self.channel.send_async(tensor)
+            first = self.channel.send_async(tensor)
+            self.channel.send_again(tensor)  # never matched: nothing waits on it
+            return first
         self.channel.close()  # Fault.CUT
         raise TransferError("injected: the channel was cut")
 

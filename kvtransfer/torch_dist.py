@@ -1,7 +1,10 @@
 """torch.distributed point-to-point channels: gloo for CPU tensors, nccl for CUDA tensors.
 
 Each (prefill, decode) pair gets its own two-rank process group on a prefix of the decode
-worker's store, so there is no global world: pairs open and close as pools change.
+worker's store, so there is no global world: pairs open and close as pools change. Message n
+on a channel carries tag n, so a message can only land in the receive posted for it: a lost one
+leaves its receive waiting (until its deadline), a doubled one is never received, and neither
+shifts the others into receives of another size (which gloo answers by aborting the process).
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from kvtransfer.transport import TransferError, register
 from protocol.kv import Endpoint
 
 SENDER, RECEIVER = 0, 1
+TAG_MASK = (1 << 31) - 1
 # How long an idle receiver may wait for its next message; a dead peer ends the wait sooner.
 IDLE_WAIT = datetime.timedelta(days=7)
 
@@ -46,6 +50,7 @@ class ProcessGroupChannel:
         self.group = group
         self.peer = RECEIVER if rank == SENDER else SENDER
         self.device = device
+        self._seq = 0  # the next message's tag; one side sends, the other receives
 
     def send(self, tensor: torch.Tensor, timeout: float) -> None:
         self.send_async(tensor).wait(timeout)
@@ -63,12 +68,22 @@ class ProcessGroupChannel:
         staged = torch.empty_like(tensor, device=self.device)
         return _Pending(self._post(self.group.recv, staged), staged, copy_to=tensor)
 
+    def skip_message(self) -> None:
+        """Tests only (kvtransfer/faults.py): the next message is lost on the wire."""
+        self._seq = (self._seq + 1) & TAG_MASK
+
+    def send_again(self, tensor: torch.Tensor) -> _Pending:
+        """Tests only: `tensor` once more under the last message's tag (a duplicate)."""
+        self._seq = (self._seq - 1) & TAG_MASK
+        return self.send_async(tensor)
+
     def _post(self, post, tensor: torch.Tensor):
         """Posting fails at once when the peer is known dead (gloo checks its socket there)."""
         if self.group is None:
             raise TransferError("channel is closed")
+        tag, self._seq = self._seq, (self._seq + 1) & TAG_MASK
         try:
-            return post([tensor], self.peer, 0)
+            return post([tensor], self.peer, tag)
         except RuntimeError as err:
             raise TransferError(str(err).splitlines()[0]) from err
 

@@ -91,6 +91,15 @@ class UcxChannel:
     def send_async(self, tensor: torch.Tensor) -> UcxPending:
         return self._post(self.endpoint.tag_send, tensor.contiguous(), None)
 
+    def skip_message(self) -> None:
+        """Tests only (kvtransfer/faults.py): the next message is lost on the wire."""
+        self._seq = (self._seq + 1) & SEQ_MASK
+
+    def send_again(self, tensor: torch.Tensor) -> UcxPending:
+        """Tests only: `tensor` once more under the last message's number (a duplicate)."""
+        self._seq = (self._seq - 1) & SEQ_MASK
+        return self.send_async(tensor)
+
     def recv_async(self, tensor: torch.Tensor) -> UcxPending:
         if tensor.is_contiguous():
             return self._post(self.endpoint.tag_recv, tensor, None)

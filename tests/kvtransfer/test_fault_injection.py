@@ -9,8 +9,11 @@ the workers stay up, and every KV block is free again on both sides.
     case               what happens on the wire                  what ends it
     corrupt once       one payload has a bit flipped             checksum mismatch -> retry
     corrupt always     every payload from the first on           2 mismatches -> local recompute
-    drop               one payload never leaves                  receive deadline -> retry
-    duplicate          one payload is sent twice                 stream out of step -> retry
+    drop               one payload lost on the wire              its receive's deadline ->
+                                                                 the channel closes -> retry
+    duplicate          one payload arrives twice                 nothing: the copy carries the
+                                                                 same message number and is
+                                                                 never received; exact output
     cut                the channel closes mid-layer              channel error -> retry
     delay (in lease)   one payload 0.3 s late                    nothing: exact output
     delay (past lease) one payload later than the lease           receive deadline / lease
@@ -50,15 +53,14 @@ class Case:
     every: bool = False
     delay: float = 0.0
     retried: bool = True  # the fault costs an attempt
-    corrupt: int | None = 0  # checksum failures the decode worker reports (None: any number; a
-    # stream out of step may first land a shifted payload, which its checksum catches)
+    corrupt: int = 0  # checksum failures the decode worker reports
 
 
 CASES = {
     "corrupt once": Case(Fault.CORRUPT, corrupt=1),
     "corrupt always": Case(Fault.CORRUPT, on_payload=0, every=True, corrupt=2 * NUM_REQUESTS),
-    "drop": Case(Fault.DROP, corrupt=None),
-    "duplicate": Case(Fault.DUPLICATE, corrupt=None),
+    "drop": Case(Fault.DROP),
+    "duplicate": Case(Fault.DUPLICATE, retried=False),
     "cut": Case(Fault.CUT),
     "delay within lease": Case(Fault.DELAY, delay=0.3, retried=False),
     "delay past lease": Case(Fault.DELAY, delay=LEASE_S + 1.0),
@@ -78,32 +80,8 @@ def prompts_and_expected(tiny_llama):
     return prompts, expected
 
 
-# KNOWN BUG, found by this suite and not fixed yet: a channel whose stream falls out of step (a
-# payload lost or doubled between the sender's framing and the wire: the channel's message
-# sequence then pairs a message with another message's receive, of another size). ucx-tcp fails
-# the channel cleanly and every output stays exact. gloo aborts the whole receiving process (its
-# size check throws on its own thread). ucx-shm reports the truncation, but in about one run of
-# three another request on the decode worker then decodes a few wrong tokens (0s) although its
-# own KV landed intact and passed its checksum: memory outside the receive buffers is written.
-# Skipped there, not hidden: the closing note of the KV handoff issue lists it.
-OUT_OF_STEP = pytest.mark.skip(reason="known bug: an out-of-step KV stream (see above)")
-BREAKS_ON = ("gloo", "ucx-shm")
-PARAMS = [
-    pytest.param(
-        name,
-        transport.values[0],
-        id=f"{name}-{transport.id}",
-        marks=[
-            *transport.marks,
-            *([OUT_OF_STEP] if name in ("drop", "duplicate") and transport.id in BREAKS_ON else []),
-        ],
-    )
-    for name in CASES
-    for transport in TRANSPORTS
-]
-
-
-@pytest.mark.parametrize(("name", "transport"), PARAMS)
+@pytest.mark.parametrize("transport", TRANSPORTS)
+@pytest.mark.parametrize("name", list(CASES))
 def test_a_fault_in_the_handoff_never_reaches_the_output(
     tiny_llama, prompts_and_expected, name: str, transport: str
 ) -> None:
@@ -145,8 +123,7 @@ def test_a_fault_in_the_handoff_never_reaches_the_output(
     assert elapsed < DEADLINE_S
     assert faulty.injected >= 1
     assert all(h.alive for h in health)  # neither side crashed
-    if case.corrupt is not None:
-        assert stats.kv_checksum_failures == case.corrupt
+    assert stats.kv_checksum_failures == case.corrupt
     failures = stats.kv_transfer_failures + prefill_stats.kv_transfer_failures  # either side saw it
     if case.retried:
         assert failures >= 1
