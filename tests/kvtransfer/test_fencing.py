@@ -3,8 +3,9 @@ land in KV blocks, even when they arrive after the retry's own KV, into the very
 
 An old attempt ("r#1", from prefill worker p0) sends its first layer, then is held back; the
 decode side forgets it and reserves the same slots for the retry ("r#2", from p1), whose whole
-transfer lands; only then does the old attempt send the rest. Real senders and receivers over
-every transport, in one process.
+transfer lands; only then does the old attempt send the rest. And the same when the retry went
+to another decode worker and the first one gave the blocks to a new request. Real senders and
+receivers over every transport, in one process.
 """
 
 from __future__ import annotations
@@ -110,3 +111,56 @@ def _wait_until(condition) -> None:
     while not condition():
         assert time.monotonic() < deadline, "timed out"
         time.sleep(0.01)
+
+
+@pytest.mark.parametrize("name", TRANSPORTS)
+def test_an_attempt_given_up_by_one_decode_worker_never_writes_there_again(name: str) -> None:
+    """The retry went to another decode worker; the first one reused the old attempt's blocks
+    for a new request before the old attempt's last layer arrived."""
+    transports = [transport_named(name) for _ in range(3)]  # d0, d1, p0
+    shape = (4, 4, LAYOUT.kv_heads, LAYOUT.head_dim)
+    caches = {d: [(torch.zeros(shape), torch.zeros(shape)) for _ in range(LAYOUT.num_layers)]
+              for d in ("d0", "d1")}  # fmt: skip
+    events = {d: Events() for d in caches}
+    rendezvous = {d: Rendezvous("127.0.0.1") for d in caches}
+    receivers = {
+        d: KVReceiver(t, rendezvous[d], caches[d], LAYOUT, d, events[d].add, TIMEOUT)
+        for d, t in zip(caches, transports[:2], strict=True)
+    }
+    sender = KVSender(transports[2], TIMEOUT, lambda *_: None)
+
+    def ticket(request_id: str, decode_id: str) -> Ticket:
+        key = receivers[decode_id].channel_key("p0")
+        endpoint = rendezvous[decode_id].endpoint
+        return Ticket(request_id, decode_id, endpoint, key, 0, NUM_TOKENS, LAYOUT, TIMEOUT)
+
+    try:
+        old, retry = ticket("r#1", "d0"), ticket("r#2", "d1")
+        sender.open(old)
+        sender.open(retry)
+        receivers["d0"].expect("r#1", old.channel_key, SLOTS, 0)
+        sender.send_step([(old, 0, NUM_TOKENS)], LAYOUT.num_layers)
+        sender.send_layer(old, 0, payload(1.0))
+        _wait_until(lambda: receivers["d0"].bytes_received > 0)
+        # d0 gives r#1 up and hands its blocks to a new request whose KV has not come yet.
+        receivers["d0"].forget("r#1")
+        receivers["d0"].expect("s#1", old.channel_key, SLOTS, 0)
+        receivers["d1"].expect("r#2", retry.channel_key, SLOTS, 0)
+        # (the old step's last layer is due first on the sender's one thread)
+        sender.send_layer(old, 1, payload(1.0))
+        sender.send_done(old, 5, None)
+        sender.send_step([(retry, 0, NUM_TOKENS)], LAYOUT.num_layers)
+        for layer in range(LAYOUT.num_layers):
+            sender.send_layer(retry, layer, payload(2.0 + layer))
+        sender.send_done(retry, 7, None)
+        assert isinstance(events["d1"].wait_for("r#2"), Arrived)
+        _wait_until(lambda: receivers["d0"].stale_frames == 2)  # r#1's last layer and done
+        layer_1 = caches["d0"][1]  # the layer that arrived after r#1 was given up
+        for cache in layer_1:
+            rows = cache.reshape(-1, LAYOUT.kv_heads, LAYOUT.head_dim)[SLOTS]
+            assert torch.equal(rows, torch.zeros_like(rows))  # s#1's blocks: untouched
+        assert events["d0"].items == []  # nothing about r#1, nothing yet about s#1
+    finally:
+        sender.close()
+        for transport in transports:
+            close_transport(transport)
