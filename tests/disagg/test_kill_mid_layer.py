@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import signal
 
+import pytest
 import ray
 
 from tests.disagg.test_failures import assert_all_blocks_free
@@ -19,13 +20,28 @@ SLOW_SENDS = "delay,delay=0.1,every"  # every KV payload leaves 0.1 s late
 TRANSFER_TIMEOUT_S = 5.0
 
 
+@pytest.fixture
+def pools(build_pool, loop):
+    """build_pool, but each pool (with its replacements) is stopped when its test ends: the
+    session's Ray cluster has room for a limited number of workers."""
+    built = []
+
+    def build(*args, **kwargs):
+        built.append(build_pool(*args, **kwargs))
+        return built[-1]
+
+    yield build
+    for client in built:
+        loop.run(client.shutdown(), timeout=60)
+
+
 def mid_transfer(prompts):
     """Some requests have their first token (their KV landed), others are still moving."""
     return lambda p: 1 <= len(p) < len(prompts)
 
 
-def test_kill_9_of_the_prefill_worker_mid_layer(tiny_llama, build_pool, loop, prompts, expected):
-    client = build_pool(
+def test_kill_9_of_the_prefill_worker_mid_layer(tiny_llama, pools, loop, prompts, expected):
+    client = pools(
         tiny_llama, num_prefill=1, num_decode=1, kv_fault=SLOW_SENDS,
         transfer_timeout=TRANSFER_TIMEOUT_S,
     )  # fmt: skip
@@ -38,8 +54,8 @@ def test_kill_9_of_the_prefill_worker_mid_layer(tiny_llama, build_pool, loop, pr
     assert_all_blocks_free(loop, [*client.prefill.values(), *client.decode.values()])
 
 
-def test_kill_9_of_a_decode_worker_mid_layer(tiny_llama, build_pool, loop, prompts, expected):
-    client = build_pool(
+def test_kill_9_of_a_decode_worker_mid_layer(tiny_llama, pools, loop, prompts, expected):
+    client = pools(
         tiny_llama, num_prefill=1, num_decode=2, kv_fault=SLOW_SENDS,
         transfer_timeout=TRANSFER_TIMEOUT_S,
     )  # fmt: skip
