@@ -3,7 +3,7 @@ decode/publisher.py, the framing protocol/wire.py).
 
     server.expect(worker_id)   -> a future of that worker's connection
     worker.stream_updates(server.endpoint, server.secret)    the worker connects and says hello
-    read_updates(connection)   -> the next frame's updates, in the worker's order
+    await future  -> connection;  connection.read() -> the next frame's updates, in order
 
 A connection is accepted only with the secret this server made and for a worker it expects;
 anything else is closed. Reading has no deadline of its own: a silent connection is an idle

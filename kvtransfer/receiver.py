@@ -243,7 +243,7 @@ class KVReceiver:
         checksum = payload_sum(payload) if expected is not None and expected.verify else None
         # Under the lock: once forget() returns, no write lands in blocks that may be reused.
         with self._lock:
-            if self._expected.get(request_id) is not expected or expected is None:
+            if expected is None or self._expected.get(request_id) is not expected:
                 self.stale_frames += 1  # expired, aborted or retried meanwhile: drop the bytes
                 return
             if checksum is not None:

@@ -55,7 +55,6 @@ class ServerMetrics:
         self.queue_time = self._histogram(
             "request_queue_time_seconds", "Time waiting to be scheduled.", REQUEST_BUCKETS
         )
-
         self.prompt_tokens = Counter(
             "tandem:prompt_tokens", "Prompt tokens of started requests.", ["model"], registry=r
         ).labels(model)

@@ -105,8 +105,8 @@ class WorkerStatsCollector(Collector):
             "dispatch). Wall clocks: across hosts it includes their skew.",
             labels=["model"],
         )
-        buckets = [(str(b), n) for b, n in zip(handover.bounds, handover.cumulative(), strict=True)]
-        family.add_metric([self.model], [*buckets, ("+Inf", handover.count)], handover.total)
+        buckets = _buckets(handover.bounds, handover.cumulative(), handover.count)
+        family.add_metric([self.model], buckets, handover.total)
         return family
 
     def _pool_states(self, workers: list[PoolWorker]) -> Iterator[Metric]:
@@ -162,8 +162,7 @@ class WorkerStatsCollector(Collector):
         family = HistogramMetricFamily(name, text, labels=WORKER_LABELS)
         for s in snapshot:
             counts, count, total = series(s)
-            buckets = [(str(b), n) for b, n in zip(TRANSFER_BUCKETS, counts, strict=True)]
-            family.add_metric(self._labels(s), [*buckets, ("+Inf", count)], total)
+            family.add_metric(self._labels(s), _buckets(TRANSFER_BUCKETS, counts, count), total)
         return family
 
     def _transport(self, snapshot: list[WorkerStats]) -> Metric:
@@ -189,3 +188,10 @@ class WorkerStatsCollector(Collector):
         for pool, depth in sorted(depths.items()):
             family.add_metric([self.model, pool], float(depth))
         return family
+
+
+def _buckets(
+    bounds: tuple[float, ...], cumulative: tuple[int, ...], count: int
+) -> list[tuple[str, float]]:
+    """Prometheus' (le, cumulative count) pairs, +Inf last."""
+    return [*((str(b), n) for b, n in zip(bounds, cumulative, strict=True)), ("+Inf", count)]

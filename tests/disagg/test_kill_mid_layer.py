@@ -21,13 +21,22 @@ TRANSFER_TIMEOUT_S = 5.0
 
 
 @pytest.fixture
-def pools(build_pool, loop):
-    """build_pool, but each pool (with its replacements) is stopped when its test ends: the
-    session's Ray cluster has room for a limited number of workers."""
+def slow_pool(tiny_llama, build_pool, loop):
+    """slow_pool(num_decode): 1 prefill worker whose KV sends are slow, `num_decode` decode
+    workers. Each pool (with its replacements) is stopped when its test ends: the session's Ray
+    cluster has room for a limited number of workers."""
     built = []
 
-    def build(*args, **kwargs):
-        built.append(build_pool(*args, **kwargs))
+    def build(num_decode: int):
+        built.append(
+            build_pool(
+                tiny_llama,
+                num_prefill=1,
+                num_decode=num_decode,
+                kv_fault=SLOW_SENDS,
+                transfer_timeout=TRANSFER_TIMEOUT_S,
+            )  # fmt: skip
+        )
         return built[-1]
 
     yield build
@@ -35,18 +44,17 @@ def pools(build_pool, loop):
         loop.run(client.shutdown(), timeout=60)
 
 
-def mid_transfer(prompts):
-    """Some requests have their first token (their KV landed), others are still moving."""
-    return lambda p: 1 <= len(p) < len(prompts)
+def kill_mid_transfer(loop, client, victim, prompts) -> list[list[int]]:
+    """Runs every prompt and SIGKILLs `victim` once some requests have their first token (their
+    KV landed) while others are still moving; returns the outputs."""
+    pid = ray.get(victim.pid.remote(), timeout=30)
+    started = lambda p: 1 <= len(p) < len(prompts)  # noqa: E731
+    return run_with(loop, client, prompts, started, lambda: os.kill(pid, signal.SIGKILL))
 
 
-def test_kill_9_of_the_prefill_worker_mid_layer(tiny_llama, pools, loop, prompts, expected):
-    client = pools(
-        tiny_llama, num_prefill=1, num_decode=1, kv_fault=SLOW_SENDS,
-        transfer_timeout=TRANSFER_TIMEOUT_S,
-    )  # fmt: skip
-    pid = ray.get(client.prefill["prefill-0"].pid.remote(), timeout=30)
-    outputs = run_with(loop, client, prompts, mid_transfer(prompts), lambda: os.kill(pid, 9))
+def test_kill_9_of_the_prefill_worker_mid_layer(slow_pool, loop, prompts, expected):
+    client = slow_pool(num_decode=1)
+    outputs = kill_mid_transfer(loop, client, client.prefill["prefill-0"], prompts)
     assert outputs == expected  # the lost transfers were redone (on the decode worker, or anew)
     assert ray.get(client.decode["decode-0"].health.remote(), timeout=10).alive
     wait_for(lambda: len(serving(client, "prefill")) == 1, HEAL_TIMEOUT_S)
@@ -54,15 +62,9 @@ def test_kill_9_of_the_prefill_worker_mid_layer(tiny_llama, pools, loop, prompts
     assert_all_blocks_free(loop, [*client.prefill.values(), *client.decode.values()])
 
 
-def test_kill_9_of_a_decode_worker_mid_layer(tiny_llama, pools, loop, prompts, expected):
-    client = pools(
-        tiny_llama, num_prefill=1, num_decode=2, kv_fault=SLOW_SENDS,
-        transfer_timeout=TRANSFER_TIMEOUT_S,
-    )  # fmt: skip
-    pid = ray.get(client.decode["decode-0"].pid.remote(), timeout=30)
-    outputs = run_with(
-        loop, client, prompts, mid_transfer(prompts), lambda: os.kill(pid, signal.SIGKILL)
-    )
+def test_kill_9_of_a_decode_worker_mid_layer(slow_pool, loop, prompts, expected):
+    client = slow_pool(num_decode=2)
+    outputs = kill_mid_transfer(loop, client, client.decode["decode-0"], prompts)
     assert outputs == expected
     prefill = client.prefill["prefill-0"]
     assert ray.get(prefill.health.remote(), timeout=10).alive
