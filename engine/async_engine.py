@@ -50,6 +50,7 @@ class AsyncEngine:
     def shutdown(self, timeout: float = 10.0) -> None:
         if self._thread is not None:
             self._thread.stop(timeout)
+        self.engine.close()
 
     async def generate(
         self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None

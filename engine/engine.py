@@ -18,11 +18,13 @@ import torch
 from engine.block_manager import BlockManager
 from engine.config import ConfigError, EngineConfig, ModelConfig
 from engine.kv_cache import num_blocks_for_budget
+from engine.parallel import shard_for
 from engine.runner import ModelRunner
 from engine.sampler import SampleRow, sample
 from engine.scheduler import Scheduler, SchedulerConfig, StepPlan
 from engine.sequence import Sequence
 from engine.stop import blocked_tokens, check_stop
+from engine.tensor_parallel import Launcher
 from protocol.errors import RequestError
 from protocol.kv import KVLayout
 from protocol.limits import ModelLimits
@@ -55,17 +57,20 @@ def _generator_states(rows: list[SampleRow]) -> list[tuple[torch.Generator, torc
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, launch_ranks: Launcher | None = None) -> None:
+        """`launch_ranks` starts the other tensor-parallel ranks (engine/tensor_parallel.py);
+        local processes when None."""
         self.config = config
         self.model_config = ModelConfig.from_pretrained(config.model)
         dtype = getattr(torch, config.dtype)
+        shard = shard_for(self.model_config, config.tensor_parallel_size, 0)
         self.num_blocks = config.num_kv_blocks or num_blocks_for_budget(
-            self.model_config, config.block_size, dtype, config.kv_cache_memory_bytes
+            self.model_config, config.block_size, dtype, config.kv_cache_memory_bytes, shard
         )
         self.max_model_len = self._max_model_len()
         self.eos_ids = frozenset(self.model_config.eos_token_ids)
         self.limits = ModelLimits(self.max_model_len, self.model_config.vocab_size)
-        self.runner = ModelRunner(self.model_config, config, self.num_blocks)
+        self.runner = ModelRunner(self.model_config, config, self.num_blocks, launch_ranks)
         self.blocks = BlockManager(self.num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(
             SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens), self.blocks
@@ -177,6 +182,10 @@ class LLMEngine:
             return False
         self.scheduler.finish(seq, FinishReason.ABORT)
         return True
+
+    def close(self) -> None:
+        """Ends the tensor-parallel follower ranks, if any; the engine cannot step after."""
+        self.runner.close()
 
     @property
     def kv_caches(self) -> list[tuple[torch.Tensor, torch.Tensor]]:

@@ -24,6 +24,10 @@ class LLM:
         self.tokenizer = Tokenizer(self.engine.model_config.path)
         self._ids = itertools.count()
 
+    def close(self) -> None:
+        """Ends the tensor-parallel follower processes, if any (they also end with this one)."""
+        self.engine.close()
+
     def generate(
         self,
         prompts: Prompt | list[Prompt],

@@ -1,23 +1,41 @@
 """Llama-family decoder (Llama 2/3, SmolLM2, Mistral, Qwen2, Qwen3) over a paged KV cache.
 
 The projections are fused at load time (q|k|v and gate|up) so each layer runs four matmuls;
-`checkpoint_sources` says which checkpoint tensors fill each fused parameter.
+`checkpoint_sources` says which checkpoint tensors (and which slice of each, under tensor
+parallelism: engine/parallel.py) fill each parameter.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 from torch import nn
 
 from engine.config import ModelConfig
 from engine.forward_batch import ForwardBatch
+from engine.parallel import Collectives, TPShard, single
 from engine.rope import RotaryEmbedding
 from kernels import ops
 
 KVCaches = list[tuple[torch.Tensor, torch.Tensor]]  # per layer: key_cache, value_cache
 LayerHook = Callable[[int], None]
+
+
+class Piece(NamedTuple):
+    """Rows or columns [start, stop) along `dim` of checkpoint tensor `name`, whose full
+    shape is `shape`."""
+
+    name: str
+    shape: tuple[int, ...]
+    dim: int
+    start: int
+    stop: int
+
+
+def whole(name: str, *shape: int) -> Piece:
+    return Piece(name, shape, 0, 0, shape[0])
 
 
 class RMSNorm(nn.Module):
@@ -38,11 +56,18 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    """This rank's heads: column-parallel q|k|v, row-parallel o_proj, then one all-reduce."""
+
+    def __init__(self, cfg: ModelConfig, shard: TPShard, comm: Collectives) -> None:
         super().__init__()
-        self.num_heads, self.kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        self.q_size = cfg.num_heads * cfg.head_dim
-        self.kv_size = cfg.num_kv_heads * cfg.head_dim
+        self.num_heads, self.kv_heads, self.head_dim = (
+            shard.num_heads,
+            shard.num_kv_heads,
+            cfg.head_dim,
+        )
+        self.q_size = shard.num_heads * cfg.head_dim
+        self.kv_size = shard.num_kv_heads * cfg.head_dim
+        self.comm = comm
         self.scale = cfg.head_dim**-0.5
         self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, cfg.qkv_bias)
         self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
@@ -67,7 +92,7 @@ class Attention(nn.Module):
         v = qkv[:, heads:]
         ops.store_kv(k, v, kv_cache[0], kv_cache[1], batch.slot_mapping)
         out = self._attend(q, k, v, batch, kv_cache)
-        return self.o_proj(out.reshape(-1, self.q_size))
+        return self.comm.all_reduce(self.o_proj(out.reshape(-1, self.q_size)))
 
     def _attend(
         self,
@@ -106,13 +131,14 @@ class Attention(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, shard: TPShard, comm: Collectives) -> None:
         super().__init__()
         self.input_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.attn = Attention(cfg)
+        self.attn = Attention(cfg, shard, comm)
         self.post_attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * shard.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(shard.intermediate_size, cfg.hidden_size, bias=False)
+        self.comm = comm
 
     def forward(
         self,
@@ -130,17 +156,25 @@ class DecoderLayer(nn.Module):
             h, residual = self.input_norm.add_and_norm(x, residual)
         h = self.attn(h, batch, kv_cache, rope)
         h, residual = self.post_attn_norm.add_and_norm(h, residual)
-        return self.down_proj(ops.silu_and_mul(self.gate_up_proj(h))), residual
+        h = self.down_proj(ops.silu_and_mul(self.gate_up_proj(h)))
+        return self.comm.all_reduce(h), residual
 
 
 class CausalLM(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    """One rank's part of the model (the whole of it at tensor parallel size 1). Every rank
+    runs `forward` on the same batch; each returns the full logits."""
+
+    def __init__(
+        self, cfg: ModelConfig, shard: TPShard | None = None, comm: Collectives | None = None
+    ) -> None:
         super().__init__()
         self.cfg = cfg
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
+        self.shard = shard = shard or single(cfg)
+        self.comm = comm = comm or Collectives(shard.size)
+        self.embed_tokens = nn.Embedding(shard.vocab_rows, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, shard, comm) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = nn.Linear(cfg.hidden_size, shard.vocab_rows, bias=False)
         with torch.device("cpu"):  # plain tables even when the module is built on "meta"
             self.rope = RotaryEmbedding(
                 cfg.head_dim, cfg.max_model_len, cfg.rope_theta, cfg.rope_scaling
@@ -152,7 +186,7 @@ class CausalLM(nn.Module):
     ) -> torch.Tensor:
         """Runs every row; returns logits [S, vocab] (model dtype) for the logits_indices rows.
         `on_layer(i)` runs as soon as layer i has written its KV and produced its output."""
-        x = self.embed_tokens(batch.input_ids)
+        x = self._embed(batch.input_ids)
         residual = None
         rope = self.rope.lookup(batch.positions)
         for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
@@ -161,45 +195,73 @@ class CausalLM(nn.Module):
                 on_layer(i)
         rows = batch.logits_indices
         x, _ = self.norm.add_and_norm(x[rows], residual[rows])
-        return self.lm_head(x)
+        return self.comm.gather_vocab(self.lm_head(x))[:, : self.cfg.vocab_size]
 
-    def checkpoint_sources(self) -> dict[str, list[tuple[str, int]]]:
-        """Our parameter -> (checkpoint tensor, its rows): the tensors concatenated on dim 0."""
-        cfg = self.cfg
+    def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:  # [N] -> [N, hidden]
+        """Vocabulary-parallel: each rank embeds the ids in its row range, zeros for the
+        rest, and the all-reduce adds exactly one non-zero row per token."""
+        if self.shard.size == 1:
+            return self.embed_tokens(input_ids)
+        local = input_ids - self.shard.vocab_start
+        outside = (local < 0) | (local >= self.shard.vocab_rows)
+        x = self.embed_tokens(local.masked_fill(outside, 0))
+        return self.comm.all_reduce(x.masked_fill(outside[:, None], 0))
+
+    def checkpoint_sources(self) -> dict[str, list[Piece]]:
+        """Our parameter -> the checkpoint slices concatenated on dim 0 to fill it. A
+        vocabulary-split parameter may get fewer rows than it has (the padding stays zero)."""
+        cfg, shard = self.cfg, self.shard
+        vocab = slice(shard.vocab_start, min(cfg.vocab_size, shard.vocab_start + shard.vocab_rows))
         embed = "model.embed_tokens.weight"
+        lm_head = embed if cfg.tie_word_embeddings else "lm_head.weight"
         sources = {
-            "embed_tokens.weight": [(embed, cfg.vocab_size)],
-            "norm.weight": [("model.norm.weight", cfg.hidden_size)],
-            "lm_head.weight": [
-                (embed if cfg.tie_word_embeddings else "lm_head.weight", cfg.vocab_size)
-            ],
+            "embed_tokens.weight": [_rows(embed, cfg.vocab_size, cfg.hidden_size, vocab)],
+            "norm.weight": [whole("model.norm.weight", cfg.hidden_size)],
+            "lm_head.weight": [_rows(lm_head, cfg.vocab_size, cfg.hidden_size, vocab)],
         }
         for i in range(cfg.num_layers):
-            sources.update(_layer_sources(i, cfg))
+            sources.update(_layer_sources(i, cfg, shard))
         return sources
 
 
-def _layer_sources(i: int, cfg: ModelConfig) -> dict[str, list[tuple[str, int]]]:
+def _rows(name: str, rows: int, cols: int, take: slice) -> Piece:
+    return Piece(name, (rows, cols), 0, take.start, take.stop)
+
+
+def _layer_sources(i: int, cfg: ModelConfig, shard: TPShard) -> dict[str, list[Piece]]:
     ours, theirs = f"layers.{i}.", f"model.layers.{i}."
     attn, mlp = theirs + "self_attn.", theirs + "mlp."
-    q_rows, kv_rows = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-    qkv = [("q", q_rows), ("k", kv_rows), ("v", kv_rows)]
+    hidden, hd, inter = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
+    q_rows = slice(shard.rank * shard.num_heads * hd, (shard.rank + 1) * shard.num_heads * hd)
+    kv_rows = slice(shard.kv_head_start * hd, shard.kv_heads.stop * hd)
+    mlp_rows = slice(
+        shard.rank * shard.intermediate_size, (shard.rank + 1) * shard.intermediate_size
+    )
+    qkv = [("q", cfg.num_heads * hd, q_rows), *((p, cfg.num_kv_heads * hd, kv_rows) for p in "kv")]
     sources = {
-        ours + "input_norm.weight": [(theirs + "input_layernorm.weight", cfg.hidden_size)],
-        ours + "post_attn_norm.weight": [
-            (theirs + "post_attention_layernorm.weight", cfg.hidden_size)
+        ours + "input_norm.weight": [whole(theirs + "input_layernorm.weight", hidden)],
+        ours + "post_attn_norm.weight": [whole(theirs + "post_attention_layernorm.weight", hidden)],
+        ours + "attn.qkv_proj.weight": [
+            _rows(f"{attn}{p}_proj.weight", n, hidden, take) for p, n, take in qkv
         ],
-        ours + "attn.qkv_proj.weight": [(f"{attn}{p}_proj.weight", n) for p, n in qkv],
-        ours + "attn.o_proj.weight": [(attn + "o_proj.weight", cfg.hidden_size)],
+        ours + "attn.o_proj.weight": [
+            Piece(
+                attn + "o_proj.weight", (hidden, cfg.num_heads * hd), 1, q_rows.start, q_rows.stop
+            )
+        ],
         ours + "gate_up_proj.weight": [
-            (mlp + "gate_proj.weight", cfg.intermediate_size),
-            (mlp + "up_proj.weight", cfg.intermediate_size),
+            _rows(mlp + "gate_proj.weight", inter, hidden, mlp_rows),
+            _rows(mlp + "up_proj.weight", inter, hidden, mlp_rows),
         ],
-        ours + "down_proj.weight": [(mlp + "down_proj.weight", cfg.hidden_size)],
+        ours + "down_proj.weight": [
+            Piece(mlp + "down_proj.weight", (hidden, inter), 1, mlp_rows.start, mlp_rows.stop)
+        ],
     }
     if cfg.qkv_bias:
-        sources[ours + "attn.qkv_proj.bias"] = [(f"{attn}{p}_proj.bias", n) for p, n in qkv]
+        sources[ours + "attn.qkv_proj.bias"] = [
+            Piece(f"{attn}{p}_proj.bias", (n,), 0, take.start, take.stop) for p, n, take in qkv
+        ]
     if cfg.qk_norm:
-        sources[ours + "attn.q_norm.weight"] = [(attn + "q_norm.weight", cfg.head_dim)]
-        sources[ours + "attn.k_norm.weight"] = [(attn + "k_norm.weight", cfg.head_dim)]
+        sources[ours + "attn.q_norm.weight"] = [whole(attn + "q_norm.weight", hd)]
+        sources[ours + "attn.k_norm.weight"] = [whole(attn + "k_norm.weight", hd)]
     return sources

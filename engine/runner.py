@@ -1,8 +1,13 @@
-"""ModelRunner: turns a StepPlan into tensors, runs the model, samples. The only tensor owner."""
+"""ModelRunner: turns a StepPlan into tensors and runs the model. The only tensor owner.
+
+Under tensor parallelism rank 0's runner also sends each step's batch to the follower ranks
+(engine/tensor_parallel.py), whose runners build the same tensors from it.
+"""
 
 from __future__ import annotations
 
 import torch
+from torch.distributed import ProcessGroup
 
 from engine.block_manager import slots_of
 from engine.config import EngineConfig, ModelConfig
@@ -10,14 +15,24 @@ from engine.forward_batch import ForwardBatch, PrefillSegment
 from engine.kv_cache import allocate_kv_cache
 from engine.model import CausalLM, LayerHook
 from engine.packed_linear import can_pack, pack_linears
+from engine.parallel import Collectives, TPShard, shard_for
 from engine.scheduler import ScheduledChunk, StepPlan
+from engine.tensor_parallel import BatchSpec, FollowerSpec, Launcher, RankGroup, spawn_followers
 from engine.weights import load_weights
 from kernels import cpu_extension
 
 
-def load_model(model_cfg: ModelConfig, dtype: torch.dtype, device: str) -> CausalLM:
+def load_model(
+    model_cfg: ModelConfig,
+    dtype: torch.dtype,
+    device: str,
+    shard: TPShard | None = None,
+    comm: Collectives | None = None,
+) -> CausalLM:
+    """`shard`: a tensor-parallel rank's part, `comm` its collectives; the whole model when
+    None."""
     with torch.device("meta"):
-        model = CausalLM(model_cfg)
+        model = CausalLM(model_cfg, shard, comm)
     model = model.to_empty(device=device).to(dtype)
     load_weights(model, model_cfg.path)
     model.rope.to(dtype, device)
@@ -27,18 +42,45 @@ def load_model(model_cfg: ModelConfig, dtype: torch.dtype, device: str) -> Causa
 
 
 class ModelRunner:
-    def __init__(self, model_cfg: ModelConfig, engine_cfg: EngineConfig, num_blocks: int) -> None:
+    def __init__(
+        self,
+        model_cfg: ModelConfig,
+        engine_cfg: EngineConfig,
+        num_blocks: int,
+        launch: Launcher | None = None,  # starts the follower ranks; local processes if None
+        rank: int = 0,
+        group: ProcessGroup | None = None,  # a follower's, joined by the caller
+    ) -> None:
         self.dtype = getattr(torch, engine_cfg.dtype)
         self.device = torch.device(engine_cfg.device)
         self.block_size = engine_cfg.block_size
+        size = engine_cfg.tensor_parallel_size
+        self.shard = shard_for(model_cfg, size, rank)
+        self.ranks: RankGroup | None = None
+        if rank == 0 and size > 1:  # followers load their shards while this rank loads its own
+            self.ranks = RankGroup(engine_cfg, num_blocks, launch or spawn_followers)
+            group = self.ranks.join(self.device)
         if self.device.type == "cpu":
             # Build or load the C++ kernels now, not inside the first request (a first build
             # takes minutes, and a worker must not stall a transfer on it).
             cpu_extension.load()
-        self.model = load_model(model_cfg, self.dtype, engine_cfg.device)
+        comm = Collectives(size, group)
+        self.model = load_model(model_cfg, self.dtype, engine_cfg.device, self.shard, comm)
         self.kv_caches = allocate_kv_cache(
-            model_cfg, num_blocks, self.block_size, self.dtype, self.device
+            model_cfg, num_blocks, self.block_size, self.dtype, self.device, self.shard
         )
+        if self.ranks is not None:
+            self.ranks.wait_ready()
+
+    @classmethod
+    def follower(cls, spec: FollowerSpec, group: ProcessGroup) -> ModelRunner:
+        model_cfg = ModelConfig.from_pretrained(spec.config.model)
+        return cls(model_cfg, spec.config, spec.num_blocks, rank=spec.rank, group=group)
+
+    def close(self) -> None:
+        """Ends the follower ranks (no-op without tensor parallelism)."""
+        if self.ranks is not None:
+            self.ranks.close()
 
     @torch.inference_mode()
     def execute(self, plan: StepPlan, on_layer: LayerHook | None = None) -> torch.Tensor:
@@ -46,21 +88,31 @@ class ModelRunner:
         order: [S, vocab]. `on_layer(i)` runs once layer i's KV for the whole plan is in
         `kv_caches`."""
         chunks = order_for_batch(plan.chunks)
-        batch = self.build_batch(chunks)
-        logits = self.model(batch, self.kv_caches, on_layer)  # rows in `chunks` order
+        spec = self.build_spec(chunks)
+        if self.ranks is not None:
+            self.ranks.send(spec)
+        logits = self.model(self.to_batch(spec), self.kv_caches, on_layer)  # `chunks` order
         sampling = [chunk for chunk in chunks if chunk.samples]
         position = {id(chunk.seq): i for i, chunk in enumerate(sampling)}
         in_plan_order = [position[id(chunk.seq)] for chunk in plan.chunks if chunk.samples]
         return logits[in_plan_order]
 
+    @torch.inference_mode()
+    def run_spec(self, spec: BatchSpec) -> None:
+        """A follower's step: the forward pass of rank 0's batch (rank 0 samples)."""
+        self.model(self.to_batch(spec), self.kv_caches)
+
     def build_batch(self, chunks: list[ScheduledChunk]) -> ForwardBatch:
+        return self.to_batch(self.build_spec(chunks))
+
+    def build_spec(self, chunks: list[ScheduledChunk]) -> BatchSpec:
         bs = self.block_size
         input_ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
         logits_rows: list[int] = []
         decode_tables: list[list[int]] = []
-        prefills: list[PrefillSegment] = []
+        prefills: list[tuple[int, int, list[int], int]] = []
         for chunk in chunks:
             seq, row = chunk.seq, len(input_ids)
             span = range(chunk.start, chunk.end)
@@ -73,19 +125,25 @@ class ModelRunner:
             if chunk.num_tokens == 1:
                 decode_tables.append(table[: -(-chunk.end // bs)])
             else:
-                used = table[: -(-chunk.end // bs)]
-                block_table = torch.tensor(used, dtype=torch.int64, device=self.device)
-                prefills.append(PrefillSegment(row, len(input_ids), block_table, chunk.end))
+                prefills.append((row, len(input_ids), table[: -(-chunk.end // bs)], chunk.end))
         decode_lens = [chunk.end for chunk in chunks[: len(decode_tables)]]
+        return BatchSpec(
+            input_ids, positions, slots, logits_rows, decode_tables, decode_lens, prefills
+        )
+
+    def to_batch(self, spec: BatchSpec) -> ForwardBatch:
         return ForwardBatch(
-            input_ids=self._tensor(input_ids),
-            positions=self._tensor(positions),
-            slot_mapping=self._tensor(slots),
-            num_decodes=len(decode_tables),
-            decode_block_tables=self._tensor(pad_tables(decode_tables)),
-            decode_context_lens=self._tensor(decode_lens),
-            prefills=tuple(prefills),
-            logits_indices=self._tensor(logits_rows),
+            input_ids=self._tensor(spec.input_ids),
+            positions=self._tensor(spec.positions),
+            slot_mapping=self._tensor(spec.slots),
+            num_decodes=len(spec.decode_tables),
+            decode_block_tables=self._tensor(pad_tables(spec.decode_tables)),
+            decode_context_lens=self._tensor(spec.decode_lens),
+            prefills=tuple(
+                PrefillSegment(start, end, self._tensor(table), context_len)
+                for start, end, table, context_len in spec.prefills
+            ),
+            logits_indices=self._tensor(spec.logits_rows),
         )
 
     def _tensor(self, values: list) -> torch.Tensor:

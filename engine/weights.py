@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError, safe_open
 
-from engine.model import CausalLM
+from engine.model import CausalLM, Piece
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -43,26 +43,34 @@ def _open(path: Path) -> Iterator:
 
 
 def load_weights(model: CausalLM, folder: Path) -> None:
-    """Fills every parameter of `model` from the checkpoint in `folder`, casting to its dtype."""
+    """Fills every parameter of `model` from the checkpoint in `folder`, casting to its dtype.
+    Only the slices a tensor-parallel rank holds are read from the files."""
     files = tensor_files(folder)
     params = dict(model.named_parameters())
     with ExitStack() as stack:
         handles = {path: stack.enter_context(_open(path)) for path in set(files.values())}
-        for name, sources in model.checkpoint_sources().items():
+        for name, pieces in model.checkpoint_sources().items():
             param = params[name]
             parts = []
-            for source, rows in sources:
-                if source not in files:
-                    raise WeightsError(f"checkpoint is missing tensor {source}")
-                try:
-                    tensor = handles[files[source]].get_tensor(source)
-                except SafetensorError as err:
-                    raise WeightsError(f"cannot read tensor {source}: {err}") from err
-                expected = (rows, *param.shape[1:])
-                if tuple(tensor.shape) != expected:
-                    raise WeightsError(
-                        f"tensor {source} has shape {tuple(tensor.shape)}, expected {expected}"
-                    )
-                parts.append(tensor)
+            for piece in pieces:
+                if piece.name not in files:
+                    raise WeightsError(f"checkpoint is missing tensor {piece.name}")
+                parts.append(_read(handles[files[piece.name]], piece))
+            loaded = torch.cat(parts) if len(parts) > 1 else parts[0]
             with torch.no_grad():
-                param.copy_(torch.cat(parts) if len(parts) > 1 else parts[0])
+                if loaded.shape[0] < param.shape[0]:  # a vocabulary shard's padding rows
+                    param.zero_()
+                param[: loaded.shape[0]].copy_(loaded)
+
+
+def _read(handle, piece: Piece) -> torch.Tensor:
+    try:
+        tensor = handle.get_slice(piece.name)
+        shape = tuple(tensor.get_shape())
+        if shape != piece.shape:
+            raise WeightsError(f"tensor {piece.name} has shape {shape}, expected {piece.shape}")
+        if piece.dim == 0:
+            return tensor[piece.start : piece.stop]
+        return tensor[:, piece.start : piece.stop]
+    except SafetensorError as err:
+        raise WeightsError(f"cannot read tensor {piece.name}: {err}") from err
