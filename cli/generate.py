@@ -49,6 +49,14 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         choices=list(DTYPE_BYTES),
         help="weights",
     )
+    p.add_argument(
+        "--tensor-parallel-size",
+        "-tp",
+        type=int,
+        default=default_of(EngineConfig, "tensor_parallel_size"),
+        metavar="N",
+        help="split the model across N ranks (local processes: GPUs, or CPU cores)",
+    )
     p.add_argument("--json", action="store_true", help="one JSON object per prompt")
     p.set_defaults(run=run)
 
@@ -73,11 +81,16 @@ def run(args: argparse.Namespace) -> int:
         seed=args.seed,
         ignore_eos=args.ignore_eos,
     )
-    llm = LLM(_model_folder(args.model), dtype=args.dtype)
-    if args.chat:
-        outputs = llm.chat([[{"role": "user", "content": p}] for p in args.prompt], params)
-    else:
-        outputs = llm.generate(args.prompt, params)
+    llm = LLM(
+        _model_folder(args.model), dtype=args.dtype, tensor_parallel_size=args.tensor_parallel_size
+    )
+    try:
+        if args.chat:
+            outputs = llm.chat([[{"role": "user", "content": p}] for p in args.prompt], params)
+        else:
+            outputs = llm.generate(args.prompt, params)
+    finally:
+        llm.close()
     for output in outputs:
         if args.json:
             record = {

@@ -140,6 +140,14 @@ def _add_model_flags(g: argparse._ArgumentGroup) -> None:
         help="reuse KV",
     )
     g.add_argument("--seed", type=int, default=engine("seed"), help="seeds unseeded sampling")
+    g.add_argument(
+        "--tensor-parallel-size",
+        "-tp",
+        type=int,
+        default=engine("tensor_parallel_size"),
+        metavar="N",
+        help="ranks each worker's model is split across: GPUs, or CPU cores (one per rank)",
+    )
 
 
 def _add_cluster_flags(g: argparse._ArgumentGroup) -> None:
@@ -166,6 +174,19 @@ def _add_cluster_flags(g: argparse._ArgumentGroup) -> None:
         type=int,
         default=deploy("num_decode"),
         help="decode (or colocated) pool size",
+    )
+    g.add_argument(
+        "--prefill-tp",
+        type=int,
+        metavar="N",
+        help="tensor parallel size of prefill workers (default: --tensor-parallel-size)",
+    )
+    g.add_argument(
+        "--decode-tp",
+        type=int,
+        metavar="N",
+        help="tensor parallel size of decode (or colocated) workers (default: "
+        "--tensor-parallel-size)",
     )
     g.add_argument(
         "--local-prefill-threshold",
@@ -311,6 +332,8 @@ def deploy_config(args: argparse.Namespace) -> DeployConfig:
         placement_timeout=args.placement_timeout,
         threads_per_worker=args.threads_per_worker,
         model_name=args.served_model_name,
+        prefill_tp=args.prefill_tp,
+        decode_tp=args.decode_tp,
     )
 
 
@@ -335,6 +358,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         max_model_len=args.max_model_len,
         enable_prefix_caching=args.prefix_caching,
         seed=args.seed,
+        tensor_parallel_size=args.tensor_parallel_size,
     )
 
 

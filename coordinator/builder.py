@@ -6,10 +6,13 @@ where workers go).
                    locally
                    (the same total resources, for comparisons)
 
-Placement: on CUDA one GPU per worker; on CPU one Ray CPU each (a share of one when the cluster
-has fewer CPUs than workers), with torch threads set to the machine's cores divided among the
-workers. When the cluster advertises `prefill` / `decode`
-resources (see cluster.yaml), each worker asks for one unit of its pool's resource.
+Placement: on CUDA one GPU per rank; on CPU one Ray CPU per rank (a share of one when the
+cluster has fewer CPUs than ranks), with torch threads set to the machine's cores divided among
+the ranks. A worker of tensor parallel size N > 1 gets a placement group of N such bundles,
+STRICT_PACK (one node): rank 0, the WorkerActor, on bundle 0 and its followers on the others
+(worker/ranks.py); the group is removed when the worker is retired. When the cluster advertises
+`prefill` / `decode` resources (see cluster.yaml), each worker asks for one unit of its pool's
+resource.
 """
 
 from __future__ import annotations
@@ -18,9 +21,12 @@ import logging
 import os
 import signal
 import threading
+from dataclasses import replace
 from typing import Any
 
 import ray
+from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from coordinator.coordinator import Coordinator, CoordinatorConfig
 from coordinator.deploy import DeployConfig
@@ -101,6 +107,7 @@ def build_client(engine: EngineConfig, deploy: DeployConfig) -> Coordinator:
         spawn=spawner.spawn,
         unplaced=spawner.unplaced,
         decode_pool="colocated" if deploy.mode == "colocated" else "decode",
+        release=spawner.release,
     )
 
 
@@ -112,12 +119,26 @@ class WorkerSpawner:
         self.engine = engine
         self.deploy = deploy
         self.total = deploy.num_prefill + deploy.num_decode
+        if deploy.mode == "colocated":
+            self.ranks = self.total * self._tp("colocated")
+        else:
+            if self._tp("prefill") > 1 or self._tp("decode") > 1:
+                raise ConfigError(
+                    "KV transfer between tensor-parallel workers is not built yet: "
+                    "tensor parallelism runs with --mode colocated"
+                )
+            self.ranks = deploy.num_prefill * self._tp("prefill")
+            self.ranks += deploy.num_decode * self._tp("decode")
         cluster_cpus = ray.cluster_resources().get("CPU", 1.0)
-        # Workers share cores when there are fewer than workers (a laptop, a CI box); on a
+        # Ranks share cores when there are fewer than ranks (a laptop, a CI box); on a
         # cluster each takes a whole Ray CPU.
-        self.num_cpus = min(1.0, cluster_cpus / self.total)
-        self.threads = deploy.threads_per_worker or max(1, (os.cpu_count() or 1) // self.total)
+        self.num_cpus = min(1.0, cluster_cpus / self.ranks)
+        self.threads = deploy.threads_per_worker or max(1, (os.cpu_count() or 1) // self.ranks)
         self._next_index: dict[str, int] = {}
+        self._groups: dict[str, Any] = {}  # worker id -> its placement group (TP > 1)
+
+    def _tp(self, pool: str) -> int:
+        return self.deploy.tensor_parallel(pool, self.engine.tensor_parallel_size)
 
     def initial_pools(self) -> tuple[dict[str, Any], dict[str, Any]]:
         if self.deploy.mode == "colocated":
@@ -137,8 +158,10 @@ class WorkerSpawner:
         index = self._next_index.get(pool, 0)
         self._next_index[pool] = index + 1
         worker_id = f"{pool}-{index}"
-        args = (worker_id, self.engine, self.deploy.kv_transport, self.deploy.transfer_timeout)
+        engine = replace(self.engine, tensor_parallel_size=self._tp(pool))
+        args = (worker_id, engine, self.deploy.kv_transport, self.deploy.transfer_timeout)
         options = self._options(None if pool == "colocated" else pool)
+        placement = self._place_ranks(worker_id, engine.tensor_parallel_size, options)
         role = "prefill" if pool == "prefill" else "decode"
         handle = (
             ray.remote(WorkerActor)
@@ -149,18 +172,43 @@ class WorkerSpawner:
                 role,
                 verify_kv=self.deploy.kv_checksum,
                 kv_fault=self.deploy.kv_fault,
+                placement=placement,
             )
         )
         return worker_id, handle
+
+    def _place_ranks(
+        self, worker_id: str, size: int, options: dict[str, Any]
+    ) -> tuple[Any, dict[str, float]] | None:
+        """A placement group of one bundle per rank on one node; the worker's `options` are
+        pointed at bundle 0. None for a single-rank worker."""
+        if size == 1:
+            return None
+        bundle = {"CPU": options["num_cpus"]}
+        if "num_gpus" in options:
+            bundle["GPU"] = float(options["num_gpus"])
+        first = {**bundle, **options.get("resources", {})}  # the pool's unit goes to rank 0
+        group = placement_group([first] + [bundle] * (size - 1), strategy="STRICT_PACK")
+        self._groups[worker_id] = group
+        options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
+            group, placement_group_bundle_index=0
+        )
+        return group, bundle
+
+    def release(self, worker_id: str) -> None:
+        """Frees a retired worker's placement group (its ranks end with it)."""
+        group = self._groups.pop(worker_id, None)
+        if group is not None:
+            remove_placement_group(group)
 
     def check_room(self) -> None:
         """Fails at once, naming what is missing, when the cluster cannot hold the pools (a
         worker Ray cannot place would otherwise wait forever)."""
         if self.deploy.address is None and not self.engine.device.startswith("cuda"):
             self._check_memory()
-        needs = {"CPU": self.num_cpus * self.total}
+        needs = {"CPU": self.num_cpus * self.ranks}
         if self.engine.device.startswith("cuda"):
-            needs["GPU"] = float(self.total)
+            needs["GPU"] = float(self.ranks)
         have = ray.cluster_resources()
         missing = {k: v for k, v in needs.items() if have.get(k, 0.0) + 1e-9 < v}
         if missing and self.deploy.address is None:  # a cluster we started cannot grow
@@ -198,7 +246,7 @@ class WorkerSpawner:
     def _check_memory(self) -> None:
         """On this machine every worker holds its own weights (twice on CPUs with AMX: the
         packed copy) and KV cache: the pools must fit in the memory available now."""
-        per_worker = worker_bytes(self.engine)
+        per_worker = worker_bytes(replace(self.engine, tensor_parallel_size=self._tp("decode")))
         available = _available_memory()
         if available is not None and per_worker * self.total > available:
             raise ConfigError(
@@ -219,7 +267,7 @@ class WorkerSpawner:
 
 def worker_bytes(engine: EngineConfig) -> int:
     """A rough upper bound of one CPU worker's memory: weights at the serving dtype (twice,
-    for the packed copy), its KV cache, and the process itself."""
+    for the packed copy, split across its ranks), each rank's KV cache and process."""
     model = ModelConfig.from_pretrained(engine.model)
     on_disk = sum(f.stat().st_size for f in model.path.glob("*.safetensors"))
     weights = on_disk * DTYPE_BYTES[engine.dtype] // 2  # checkpoints are 16-bit as a rule
@@ -232,7 +280,7 @@ def worker_bytes(engine: EngineConfig) -> int:
             * 2
             * (model.num_kv_heads * model.head_dim * DTYPE_BYTES[engine.dtype])
         )
-    return 2 * weights + kv + WORKER_OVERHEAD_BYTES
+    return 2 * weights + engine.tensor_parallel_size * (kv + WORKER_OVERHEAD_BYTES)
 
 
 def _available_memory() -> int | None:

@@ -77,6 +77,7 @@ class Coordinator:
         spawn: Spawn | None = None,  # starts a worker of a pool: replacements, growth
         unplaced: Callable[[dict[str, Any]], str | None] | None = None,  # see _start
         decode_pool: str = "decode",  # "colocated" when the decode workers prefill everything
+        release: Callable[[str], None] | None = None,  # frees a killed worker's reservations
     ) -> None:
         self.model_name = model_name
         self.tokenizer = tokenizer
@@ -91,7 +92,12 @@ class Coordinator:
             list(prefill), list(decode), config.block_size, config.local_prefill_threshold
         )
         self.supervisor = Supervisor(
-            spawn, config.supervision, self._worker_joined, self._worker_left, self._in_use
+            spawn,
+            config.supervision,
+            self._worker_joined,
+            self._worker_left,
+            self._in_use,
+            release,
         )
         for worker_id, handle in prefill.items():
             self.supervisor.add("prefill", worker_id, handle)

@@ -24,9 +24,19 @@ class DeployConfig:
     threads_per_worker: int | None = None  # CPU only; default: cores / workers
     placement_timeout: float = 30.0  # seconds Ray may take to place each worker's process
     model_name: str | None = None  # served id; default: the model folder's name
+    prefill_tp: int | None = None  # ranks per prefill worker; default: the engine's
+    decode_tp: int | None = None  # ranks per decode (or colocated) worker; default: the engine's
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
             raise ConfigError(f"mode must be one of {', '.join(MODES)}, not {self.mode!r}")
         if self.num_decode < 1 or self.num_prefill < (self.mode == "disaggregated"):
             raise ConfigError("disaggregated mode needs at least one prefill and one decode worker")
+        for name in ("prefill_tp", "decode_tp"):
+            if (getattr(self, name) or 1) < 1:
+                raise ConfigError(f"{name} must be at least 1")
+
+    def tensor_parallel(self, pool: str, engine_tp: int) -> int:
+        """Ranks per worker of `pool` ("prefill", "decode" or "colocated")."""
+        size = self.prefill_tp if pool == "prefill" else self.decode_tp
+        return size or engine_tp

@@ -80,14 +80,17 @@ class Supervisor:
         on_join: Callable[[WorkerEntry, int], None],
         on_leave: Callable[[WorkerEntry, str], None],
         in_use: Callable[[str], int],
+        release: Callable[[str], None] | None = None,
     ) -> None:
         """`on_join(entry, max_model_len)` once a worker may be routed to; `on_leave(entry,
-        reason)` once it may not; `in_use(worker_id)` counts requests still relying on it."""
+        reason)` once it may not; `in_use(worker_id)` counts requests still relying on it;
+        `release(worker_id)` frees what its spawn reserved, once its process is killed."""
         self.spawn = spawn
         self.config = config
         self.on_join = on_join
         self.on_leave = on_leave
         self.in_use = in_use
+        self.release = release
         self.workers: dict[str, WorkerEntry] = {}
         self.pools: dict[str, _PoolRecord] = {}
         self._tasks: set[asyncio.Task] = set()
@@ -134,7 +137,7 @@ class Supervisor:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         for entry in self.workers.values():
-            _kill(entry.handle)
+            self._kill(entry.worker_id, entry.handle)
 
     def _spawn_task(self, coro: Awaitable[None]) -> None:
         task = asyncio.ensure_future(coro)
@@ -192,7 +195,7 @@ class Supervisor:
         log.error("worker %s is out of service: %s", worker_id, reason)
         if was_serving:
             self.on_leave(entry, reason)
-        _kill(entry.handle)
+        self._kill(worker_id, entry.handle)
         del self.workers[worker_id]
         if not replace:
             self.pools[entry.pool].target -= 1
@@ -277,11 +280,11 @@ class Supervisor:
         except Exception as err:
             log.error("new %s worker %s did not start: %s", pool, worker_id, err)
             del self.workers[worker_id]
-            _kill(handle)
+            self._kill(worker_id, handle)
             return False
         if self._closed or record.target <= len(self.serving(pool)):
             del self.workers[worker_id]  # the pool shrank meanwhile
-            _kill(handle)
+            self._kill(worker_id, handle)
             return True
         entry.state = WorkerState.SERVING
         record.restarts += replacing
@@ -289,6 +292,11 @@ class Supervisor:
         log.info("worker %s joined the %s pool", worker_id, pool)
         self.on_join(entry, max_model_len)
         return True
+
+    def _kill(self, worker_id: str, handle: Any) -> None:
+        _kill(handle)
+        if self.release is not None:
+            self.release(worker_id)
 
 
 def _kill(handle: Any) -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import os
 import time
+from typing import Any
 
 import ray
 import torch
@@ -23,6 +24,7 @@ from prefill.worker import PrefillReport, PrefillWorker
 from protocol.kv import Endpoint, Ticket
 from protocol.messages import PrefillResult, WorkRequest
 from protocol.stats import EngineHealth, WorkerStats
+from worker.ranks import ray_launcher
 
 ROLES = ("prefill", "decode")
 
@@ -43,13 +45,19 @@ class WorkerActor:
         host: str | None = None,
         verify_kv: bool = True,
         kv_fault: str | None = None,  # tests only: see kvtransfer/faults.py
+        placement: tuple[Any, dict[str, float]] | None = None,  # TP: group, bundle resources
     ) -> None:
         torch.set_num_threads(num_threads)
         self.worker_id = worker_id
         self.transfer_timeout = transfer_timeout
         self.verify_kv = verify_kv
         self.host = host or ray.util.get_node_ip_address()
-        self.engine = LLMEngine(config)
+        launch = None
+        if config.tensor_parallel_size > 1:
+            if placement is None:
+                raise ValueError("a tensor-parallel worker needs its placement group")
+            launch = ray_launcher(*placement)
+        self.engine = LLMEngine(config, launch)
         if isinstance(transport, str):
             transport = make_transport(transport, torch.device(config.device))
         if kv_fault is not None:

@@ -1,0 +1,57 @@
+"""Tensor-parallel follower ranks as Ray actors, one per bundle of the worker's placement group.
+
+The WorkerActor (rank 0) owns them: Ray ends an actor's children when it dies, so a worker's
+ranks never outlive it, and the builder removes the placement group when the worker is retired.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from typing import Any
+
+import ray
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from engine.tensor_parallel import FollowerSpec, Launcher, follow
+
+log = logging.getLogger(__name__)
+
+
+class RankActor:
+    """Runs `follow` on a thread; the process exits once it returns or fails, so a broken
+    rank is a dead actor, never a silent one."""
+
+    def __init__(self, spec: FollowerSpec) -> None:
+        self.rank = spec.rank
+        threading.Thread(target=self._run, args=(spec,), daemon=True, name="tandem-rank").start()
+
+    def _run(self, spec: FollowerSpec) -> None:
+        try:
+            follow(spec)
+        except BaseException:
+            log.exception("tensor-parallel rank %d failed", spec.rank)
+        os._exit(0)
+
+    def ping(self) -> int:
+        return self.rank
+
+
+def ray_launcher(placement_group: Any, bundle_resources: dict[str, float]) -> Launcher:
+    """Places rank r on bundle r of `placement_group` (bundle 0 holds rank 0, the caller)."""
+    handles: list[Any] = []  # kept: an actor whose handles are all dropped is ended
+
+    def launch(spec: FollowerSpec) -> None:
+        options: dict[str, Any] = {
+            "max_restarts": 0,
+            "num_cpus": bundle_resources.get("CPU", 0.0),
+            "num_gpus": bundle_resources.get("GPU", 0.0),
+            "scheduling_strategy": PlacementGroupSchedulingStrategy(
+                placement_group, placement_group_bundle_index=spec.rank
+            ),
+        }
+        handles.append(ray.remote(RankActor).options(**options).remote(spec))
+
+    launch.handles = handles  # type: ignore[attr-defined]
+    return launch
