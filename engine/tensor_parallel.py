@@ -69,7 +69,9 @@ class FollowerSpec(NamedTuple):
     timeout: float  # seconds any collective, or joining, may take
 
 
-Launcher = Callable[[FollowerSpec], None]  # starts one follower somewhere; returns at once
+# Starts one follower somewhere and returns at once, with what must stay referenced for the
+# follower to live (its process, its Ray actor handle).
+Launcher = Callable[[FollowerSpec], object]
 
 
 class RankGroup:
@@ -81,7 +83,7 @@ class RankGroup:
         self._store = TCPStore("127.0.0.1", 0, is_master=True, timeout=_delta(timeout))
         self._server = socket.create_server(("127.0.0.1", 0))
         secret = secrets.token_hex(16)
-        for rank in range(1, size):
+        self._launched = [
             launch(
                 FollowerSpec(
                     config, rank, size, num_blocks,
@@ -89,7 +91,9 @@ class RankGroup:
                     Endpoint(*self._server.getsockname()[:2]),
                     secret, torch.get_num_threads(), timeout,
                 )
-            )  # fmt: skip
+            )
+            for rank in range(1, size)
+        ]  # fmt: skip
         self._secret, self._timeout = secret, timeout
         self._followers: list[socket.socket] = []
 
@@ -169,12 +173,13 @@ def follow(spec: FollowerSpec) -> None:
         connection.close()
 
 
-def spawn_followers(spec: FollowerSpec) -> None:
+def spawn_followers(spec: FollowerSpec) -> multiprocessing.Process:
     """A Launcher: the follower in a local process that dies with its connection."""
     process = multiprocessing.get_context("spawn").Process(
         target=_follow_logged, args=(spec,), daemon=True, name=f"tandem-rank-{spec.rank}"
     )
     process.start()
+    return process
 
 
 def _follow_logged(spec: FollowerSpec) -> None:

@@ -39,19 +39,21 @@ class RankActor:
 
 
 def ray_launcher(placement_group: Any, bundle_resources: dict[str, float]) -> Launcher:
-    """Places rank r on bundle r of `placement_group` (bundle 0 holds rank 0, the caller)."""
-    handles: list[Any] = []  # kept: an actor whose handles are all dropped is ended
+    """Places rank r on bundle r of `placement_group` (bundle 0 holds rank 0, the caller).
+    The launch returns the actor's handle: Ray ends an actor whose handles are all dropped."""
 
-    def launch(spec: FollowerSpec) -> None:
-        options: dict[str, Any] = {
-            "max_restarts": 0,
-            "num_cpus": bundle_resources.get("CPU", 0.0),
-            "num_gpus": bundle_resources.get("GPU", 0.0),
-            "scheduling_strategy": PlacementGroupSchedulingStrategy(
-                placement_group, placement_group_bundle_index=spec.rank
-            ),
-        }
-        handles.append(ray.remote(RankActor).options(**options).remote(spec))
+    def launch(spec: FollowerSpec) -> Any:
+        return (
+            ray.remote(RankActor)
+            .options(
+                max_restarts=0,
+                num_cpus=bundle_resources.get("CPU", 0.0),
+                num_gpus=bundle_resources.get("GPU", 0.0),
+                scheduling_strategy=PlacementGroupSchedulingStrategy(
+                    placement_group, placement_group_bundle_index=spec.rank
+                ),
+            )
+            .remote(spec)
+        )
 
-    launch.handles = handles  # type: ignore[attr-defined]
     return launch

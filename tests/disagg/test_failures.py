@@ -27,8 +27,8 @@ async def generate_all(client, prompts, on_progress) -> list[list[int]]:
     return await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts)))
 
 
-def run_and_kill(loop, client, prompts, victim, kill_when) -> list[list[int]]:
-    """Runs every prompt; kills `victim` once kill_when(progress) holds."""
+def run_and_kill(loop, client, prompts, victim, kill_when, kill=ray.kill) -> list[list[int]]:
+    """Runs every prompt; `kill(victim)` once kill_when(progress) holds."""
     progress: dict[int, int] = {}
     future = asyncio.run_coroutine_threadsafe(
         generate_all(client, prompts, progress.__setitem__), loop.loop
@@ -37,7 +37,7 @@ def run_and_kill(loop, client, prompts, victim, kill_when) -> list[list[int]]:
     while not kill_when(progress):
         assert time.monotonic() < deadline and not future.done(), progress
         time.sleep(0.005)
-    ray.kill(victim)
+    kill(victim)
     return future.result(timeout=300)
 
 
