@@ -48,11 +48,17 @@ def build_pool(ray_cluster, loop):
         built.append(client)
         return client
 
+    def stop_all() -> None:
+        """Stops every pool built so far: frees the cluster's room for a test that needs it."""
+        while built:
+            client = built.pop()
+            loop.run(client.shutdown())
+            for worker in (*client.prefill.values(), *client.decode.values()):
+                ray_cluster.kill(worker)
+
+    build.stop_all = stop_all
     yield build
-    for client in built:
-        loop.run(client.shutdown())
-        for worker in (*client.prefill.values(), *client.decode.values()):
-            ray_cluster.kill(worker)
+    stop_all()
 
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)

@@ -16,6 +16,12 @@ from tests.disagg.test_failures import assert_all_blocks_free, generate_all, run
 from tests.support.servers import wait_until
 
 
+@pytest.fixture(autouse=True)
+def room(build_pool) -> None:
+    """A placement group needs whole free CPUs on one node: earlier tests' pools are stopped."""
+    build_pool.stop_all()
+
+
 def rank_pids() -> list[int]:
     """Processes of live RankActors on this machine (Ray titles them ray::RankActor)."""
     pids = []
