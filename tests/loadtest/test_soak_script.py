@@ -7,6 +7,7 @@ import importlib.util
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -106,8 +107,13 @@ def test_process_tree_finds_children_and_their_memory() -> None:
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
     try:
         for reader in (soak._proc_tree, soak.process_tree):
+            # A child still starting (exec not done) shows 0 RSS for a moment: poll, bounded.
+            deadline = time.monotonic() + 10
             tree = reader(os.getpid())
-            assert child.pid in tree and tree[child.pid].rss_bytes > 0
+            while not (child.pid in tree and tree[child.pid].rss_bytes > 0):
+                assert time.monotonic() < deadline, tree.get(child.pid)
+                time.sleep(0.05)
+                tree = reader(os.getpid())
             assert all(stat.cpu_s >= 0 for stat in tree.values())
     finally:
         child.kill()
