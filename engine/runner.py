@@ -102,9 +102,6 @@ class ModelRunner:
         """A follower's step: the forward pass of rank 0's batch (rank 0 samples)."""
         self.model(self.to_batch(spec), self.kv_caches)
 
-    def build_batch(self, chunks: list[ScheduledChunk]) -> ForwardBatch:
-        return self.to_batch(self.build_spec(chunks))
-
     def build_spec(self, chunks: list[ScheduledChunk]) -> BatchSpec:
         bs = self.block_size
         input_ids: list[int] = []

@@ -24,7 +24,6 @@ class RankActor:
     rank is a dead actor, never a silent one."""
 
     def __init__(self, spec: FollowerSpec) -> None:
-        self.rank = spec.rank
         threading.Thread(target=self._run, args=(spec,), daemon=True, name="tandem-rank").start()
 
     def _run(self, spec: FollowerSpec) -> None:
@@ -33,9 +32,6 @@ class RankActor:
         except BaseException:
             log.exception("tensor-parallel rank %d failed", spec.rank)
         os._exit(0)
-
-    def ping(self) -> int:
-        return self.rank
 
 
 def ray_launcher(placement_group: Any, bundle_resources: dict[str, float]) -> Launcher:
