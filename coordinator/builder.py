@@ -108,6 +108,7 @@ def build_client(engine: EngineConfig, deploy: DeployConfig) -> Coordinator:
         unplaced=spawner.unplaced,
         decode_pool="colocated" if deploy.mode == "colocated" else "decode",
         release=spawner.release,
+        ranks=spawner.worker_ranks.__getitem__,
     )
 
 
@@ -122,11 +123,6 @@ class WorkerSpawner:
         if deploy.mode == "colocated":
             self.ranks = self.total * self._tp("colocated")
         else:
-            if self._tp("prefill") > 1 or self._tp("decode") > 1:
-                raise ConfigError(
-                    "KV transfer between tensor-parallel workers is not built yet: "
-                    "tensor parallelism runs with --mode colocated"
-                )
             self.ranks = deploy.num_prefill * self._tp("prefill")
             self.ranks += deploy.num_decode * self._tp("decode")
         cluster_cpus = ray.cluster_resources().get("CPU", 1.0)
@@ -136,6 +132,7 @@ class WorkerSpawner:
         self.threads = deploy.threads_per_worker or max(1, (os.cpu_count() or 1) // self.ranks)
         self._next_index: dict[str, int] = {}
         self._groups: dict[str, Any] = {}  # worker id -> its placement group (TP > 1)
+        self.worker_ranks: dict[str, int] = {}  # worker id -> its tensor-parallel ranks
 
     def _tp(self, pool: str) -> int:
         return self.deploy.tensor_parallel(pool, self.engine.tensor_parallel_size)
@@ -159,6 +156,7 @@ class WorkerSpawner:
         self._next_index[pool] = index + 1
         worker_id = f"{pool}-{index}"
         engine = replace(self.engine, tensor_parallel_size=self._tp(pool))
+        self.worker_ranks[worker_id] = engine.tensor_parallel_size
         args = (worker_id, engine, self.deploy.kv_transport, self.deploy.transfer_timeout)
         options = self._options(None if pool == "colocated" else pool)
         placement = self._place_ranks(worker_id, engine.tensor_parallel_size, options)

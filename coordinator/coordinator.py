@@ -78,8 +78,10 @@ class Coordinator:
         unplaced: Callable[[dict[str, Any]], str | None] | None = None,  # see _start
         decode_pool: str = "decode",  # "colocated" when the decode workers prefill everything
         release: Callable[[str], None] | None = None,  # frees a killed worker's reservations
+        ranks: Callable[[str], int] | None = None,  # a worker's tensor-parallel ranks (1)
     ) -> None:
         self.model_name = model_name
+        self.ranks = ranks or (lambda worker_id: 1)
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
@@ -335,7 +337,8 @@ class Coordinator:
                     return None
                 broken = request.broken_channel
                 key = broken[1] if broken is not None and broken[0] == route.decode_id else None
-                ticket = await self._call(decode.reserve, work, route.prefill_id, key)
+                prefill_tp = self.ranks(route.prefill_id)  # the ticket's routes need it
+                ticket = await self._call(decode.reserve, work, route.prefill_id, key, prefill_tp)
             except RayActorError as err:
                 self._unplace(request, work)
                 self._note_failure(route.decode_id, err)

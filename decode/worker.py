@@ -10,6 +10,11 @@
 A reservation is a lease: if its KV has not arrived within the ticket's timeout, its blocks are
 freed and the coordinator hears of it.
 
+Tensor parallel: this is rank 0. Every rank receives the KV heads it holds on its own legs
+(protocol/kv.py routes); the follower ranks hear of each reservation before its ticket leaves,
+and report each arrival here (worker/rank_roles.py). A request joins the batch once every rank
+has all of its heads; a failure on any rank fails the transfer.
+
 Threads: the engine thread owns the engine, the leases and the counters; the receiver thread
 hands each finished transfer to it with `submit`, and updates leave through `_updates` under
 its condition, taken by the publisher's thread. A plain class (no Ray); `worker.actor` wraps it.
@@ -17,6 +22,8 @@ its condition, taken by the publisher's thread. A plain class (no Ray); `worker.
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import threading
 import time
 from concurrent.futures import Future
@@ -25,12 +32,14 @@ from decode.publisher import UpdatePublisher
 from engine.block_manager import slots_of
 from engine.engine import LLMEngine
 from engine.engine_thread import EngineThread
-from kvtransfer.receiver import Arrived, KVReceiver, ReceiveEvent, TransferFailed
+from kvtransfer.receiver import Arrived, KVReceiver, Leg, ReceiveEvent, TransferFailed
 from kvtransfer.transport import Rendezvous, Transport
 from protocol.kv import Endpoint, Ticket
 from protocol.messages import RequestFailed, WorkerUpdate, WorkRequest
 from protocol.sampling import TokenLogprobs
 from protocol.stats import TransferCounters, WorkerStats
+
+log = logging.getLogger(__name__)
 
 
 class DecodeWorker:
@@ -55,11 +64,19 @@ class DecodeWorker:
             transport,
             self.rendezvous,
             self.engine.kv_caches,
-            self.layout,
             worker_id,
             self._on_receive,
             transfer_timeout,
         )
+        self.ranks = engine.runner.ranks  # the follower ranks, under tensor parallelism
+        self.num_ranks = engine.config.tensor_parallel_size
+        if self.ranks is not None:  # each receives its own heads, on the same rendezvous
+            self.ranks.on_event = self._on_rank_event
+            endpoint = self.rendezvous.endpoint
+            self.ranks.call(["decode", transport.name, endpoint, worker_id, transfer_timeout])
+        self._arriving: dict[str, dict[int, Arrived]] = {}  # request -> ranks' arrivals so far
+        self.route_bytes: dict[str, int] = {}  # "src>dst" -> KV bytes received on that route
+        self._follower_bytes = 0  # what the follower ranks received, for arrived requests
         self._leases: dict[str, float] = {}  # reserved request -> monotonic deadline
         self._updates: list[WorkerUpdate] = []
         self._updates_ready = threading.Condition()
@@ -77,12 +94,16 @@ class DecodeWorker:
     # -- any thread ------------------------------------------------------------------------
 
     def reserve(
-        self, request: WorkRequest, prefill_id: str, broken_key: str | None = None
+        self,
+        request: WorkRequest,
+        prefill_id: str,
+        broken_key: str | None = None,
+        prefill_tp: int = 1,
     ) -> Future:
         """Future of a Ticket, or of None when the blocks do not fit now. `broken_key`: a
         channel the prefill worker found broken (a new one is opened if this side has not
-        noticed)."""
-        return self.thread.submit(self._reserve, request, prefill_id, broken_key)
+        noticed). `prefill_tp`: the prefill worker's ranks (they name the routes)."""
+        return self.thread.submit(self._reserve, request, prefill_id, broken_key, prefill_tp)
 
     def add_local(self, request: WorkRequest) -> Future:
         return self.thread.submit(self._add_local, request)
@@ -119,11 +140,16 @@ class DecodeWorker:
         for request_id in self.engine.abort_all():
             self.receiver.forget(request_id)
         self._leases.clear()
+        self._arriving.clear()
+        if self.ranks is not None:
+            self.ranks.on_event = None
+            with contextlib.suppress(Exception):  # a dead rank ends the worker anyway
+                self.ranks.call(["idle"])
 
     # -- engine thread ---------------------------------------------------------------------
 
     def _reserve(
-        self, request: WorkRequest, prefill_id: str, broken_key: str | None
+        self, request: WorkRequest, prefill_id: str, broken_key: str | None, prefill_tp: int
     ) -> Ticket | None:
         if not self.engine.has_room(len(self._leases)):
             return None  # the decode batch is full; the coordinator waits or goes elsewhere
@@ -136,11 +162,7 @@ class DecodeWorker:
         key = self.receiver.channel_key(prefill_id, broken_key)
         bs = self.engine.config.block_size
         slots = slots_of(reservation.block_table, reservation.num_cached_tokens, num_tokens, bs)
-        self.receiver.expect(
-            request.request_id, key, slots, reservation.num_cached_tokens, self.verify_kv
-        )
-        self._leases[request.request_id] = time.monotonic() + self.transfer_timeout
-        return Ticket(
+        ticket = Ticket(
             request_id=request.request_id,
             decode_id=self.worker_id,
             rendezvous=self.rendezvous.endpoint,
@@ -150,7 +172,23 @@ class DecodeWorker:
             layout=self.layout,
             timeout=self.transfer_timeout,
             verify=self.verify_kv,
+            prefill_tp=prefill_tp,
+            decode_tp=self.num_ranks,
         )
+        legs = [Leg(key, range(r.head_start, r.head_stop), r) for key, r in ticket.legs_into(0)]
+        self.receiver.expect(
+            request.request_id, key, slots, reservation.num_cached_tokens, self.verify_kv, legs
+        )
+        self._leases[request.request_id] = time.monotonic() + self.transfer_timeout
+        if self.ranks is not None:
+            try:  # each rank expects its heads before the ticket leaves
+                self.ranks.call(["expect", ticket, slots])
+            except Exception:
+                self._forget(request.request_id)
+                self._leases.pop(request.request_id, None)
+                self.engine.release(request.request_id)
+                raise
+        return ticket
 
     def _add_local(self, request: WorkRequest) -> None:
         self.engine.add_request(
@@ -159,21 +197,53 @@ class DecodeWorker:
         self.prefilled_locally += 1
 
     def _abort(self, request_id: str) -> bool:
-        self.receiver.forget(request_id)
+        self._forget(request_id)
         self._leases.pop(request_id, None)
         return self.engine.abort(request_id)
+
+    def _forget(self, request_id: str) -> None:
+        """No rank writes the request's KV any more once this returns."""
+        self.receiver.forget(request_id)
+        self._arriving.pop(request_id, None)
+        if self.ranks is not None:
+            try:
+                self.ranks.call(["forget", [request_id]])
+            except Exception as err:  # the rank is gone or stuck: so is the worker
+                log.warning("a rank did not forget %s: %s", request_id, err)
 
     def _on_receive(self, event: ReceiveEvent) -> None:  # receiver thread
         self.thread.submit(self._apply_receive, event)
 
-    def _apply_receive(self, event: ReceiveEvent) -> None:
-        if self._leases.pop(event.request_id, None) is None:
+    def _on_rank_event(self, rank: int, body: list) -> None:  # a rank group reader thread
+        match body:
+            case ["arrived", request_id, nbytes, seconds, routes]:
+                event = Arrived(request_id, -1, None, None, nbytes, seconds, routes)
+                self.thread.submit(self._apply_receive, event, rank)
+            case ["failed", request_id, reason, corrupt]:
+                event = TransferFailed(request_id, f"rank {rank}: {reason}", corrupt)
+                self.thread.submit(self._apply_receive, event, rank)
+            case ["broken", base]:  # the pair's next reservation opens new channels
+                self.receiver.retire(base, f"a KV channel of rank {rank} broke")
+
+    def _apply_receive(self, event: ReceiveEvent, rank: int = 0) -> None:
+        if event.request_id not in self._leases:
             return  # aborted or expired meanwhile; its blocks are already free
         if isinstance(event, TransferFailed):
+            del self._leases[event.request_id]
             self._fail(event.request_id, event.reason, corrupt=event.corrupt)
             return
-        self.transfers.seconds.observe(event.seconds)
-        self._publish([self.engine.admit(event.request_id, event.token_id, _logprobs(event))])
+        arrived = self._arriving.setdefault(event.request_id, {})
+        arrived[rank] = event
+        if len(arrived) < self.num_ranks:
+            return  # other ranks' heads are still coming
+        del self._arriving[event.request_id], self._leases[event.request_id]
+        for source, each in arrived.items():
+            self._follower_bytes += each.bytes_received if source else 0
+            for route, nbytes in (each.route_bytes or {}).items():
+                self.route_bytes[route] = self.route_bytes.get(route, 0) + nbytes
+        self.transfers.seconds.observe(max(each.seconds for each in arrived.values()))
+        first = arrived[0]  # its legs include route 0>0, with the token
+        self._publish([self.engine.admit(event.request_id, first.token_id, _logprobs(first))])
 
     def _step(self) -> None:
         self._publish(self.engine.step())
@@ -182,10 +252,10 @@ class DecodeWorker:
         now = time.monotonic()
         for request_id in [r for r, deadline in self._leases.items() if deadline < now]:
             del self._leases[request_id]
-            self.receiver.forget(request_id)
             self._fail(request_id, f"KV did not arrive within {self.transfer_timeout:.1f}s")
 
     def _fail(self, request_id: str, reason: str, corrupt: bool = False) -> None:
+        self._forget(request_id)  # the other ranks may still be receiving
         self.engine.release(request_id)
         self.transfers.failures += 1
         self.transfers.checksum_failures += corrupt
@@ -204,7 +274,7 @@ class DecodeWorker:
 
     def _stats(self) -> WorkerStats:
         snapshot = self.engine.snapshot()
-        self.transfers.bytes = self.receiver.bytes_received
+        self.transfers.bytes = self.receiver.bytes_received + self._follower_bytes
         self.transfers.stale_frames = self.receiver.stale_frames
         return WorkerStats.of(
             self.worker_id,

@@ -41,6 +41,7 @@ class Reservation(NamedTuple):
 
 
 PlanLayerHook = Callable[[StepPlan, int], None]
+PlanHook = Callable[[StepPlan], object]
 
 
 def skip_draws(generator: torch.Generator, vocab_size: int, count: int) -> None:
@@ -230,15 +231,20 @@ class LLMEngine:
         """Work for `step()`: queued or running requests (reservations wait for their KV)."""
         return self.scheduler.num_unfinished > 0
 
-    def step(self, on_layer: PlanLayerHook | None = None) -> list[WorkerUpdate]:
-        """One model step. `on_layer(plan, i)` runs once layer i's KV of the plan is written.
-        A request whose sampling raises fails alone (a RequestFailed); the rest go on."""
+    def step(
+        self, on_layer: PlanLayerHook | None = None, on_plan: PlanHook | None = None
+    ) -> list[WorkerUpdate]:
+        """One model step. `on_plan(plan)` runs before the forward pass, and what it returns
+        goes to the follower ranks with the batch; `on_layer(plan, i)` runs once layer i's KV
+        of the plan is written. A request whose sampling raises fails alone (a
+        RequestFailed); the rest go on."""
         plan = self.scheduler.schedule()
         if not plan.chunks:
             return []
         sampling = [chunk.seq for chunk in plan.chunks if chunk.samples]
+        extra = on_plan(plan) if on_plan is not None else None
         hook = functools.partial(on_layer, plan) if on_layer is not None else None
-        logits = self.runner.execute(plan, hook)
+        logits = self.runner.execute(plan, hook, extra)
         self.scheduler.commit(plan)
         rows = [self._sample_row(seq) for seq in sampling]
         saved = _generator_states(rows)

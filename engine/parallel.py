@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from engine.config import ConfigError, ModelConfig
+from protocol.kv import kv_head_range
 
 
 @dataclass(frozen=True)
@@ -46,16 +47,13 @@ class TPShard:
 def shard_for(cfg: ModelConfig, size: int, rank: int) -> TPShard:
     """ConfigError when the model cannot be split `size` ways."""
     check_splits(cfg, size)
-    if cfg.num_kv_heads >= size:
-        kv_heads, kv_start = cfg.num_kv_heads // size, rank * (cfg.num_kv_heads // size)
-    else:  # every rank holds one KV head, shared by size // num_kv_heads ranks
-        kv_heads, kv_start = 1, rank // (size // cfg.num_kv_heads)
+    kv_heads = kv_head_range(cfg.num_kv_heads, size, rank)
     return TPShard(
         size=size,
         rank=rank,
         num_heads=cfg.num_heads // size,
-        num_kv_heads=kv_heads,
-        kv_head_start=kv_start,
+        num_kv_heads=len(kv_heads),
+        kv_head_start=kv_heads.start,
         intermediate_size=cfg.intermediate_size // size,
         vocab_rows=-(-cfg.vocab_size // size),
     )

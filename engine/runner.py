@@ -83,14 +83,16 @@ class ModelRunner:
             self.ranks.close()
 
     @torch.inference_mode()
-    def execute(self, plan: StepPlan, on_layer: LayerHook | None = None) -> torch.Tensor:
+    def execute(
+        self, plan: StepPlan, on_layer: LayerHook | None = None, extra: object = None
+    ) -> torch.Tensor:
         """Runs every chunk; returns the logits of the chunks with `samples` set, in plan
         order: [S, vocab]. `on_layer(i)` runs once layer i's KV for the whole plan is in
-        `kv_caches`."""
+        `kv_caches`; `extra` goes to the follower ranks' hooks with the batch."""
         chunks = order_for_batch(plan.chunks)
         spec = self.build_spec(chunks)
         if self.ranks is not None:
-            self.ranks.send(spec)
+            self.ranks.send(spec, extra)
         logits = self.model(self.to_batch(spec), self.kv_caches, on_layer)  # `chunks` order
         sampling = [chunk for chunk in chunks if chunk.samples]
         position = {id(chunk.seq): i for i, chunk in enumerate(sampling)}
@@ -98,9 +100,9 @@ class ModelRunner:
         return logits[in_plan_order]
 
     @torch.inference_mode()
-    def run_spec(self, spec: BatchSpec) -> None:
+    def run_spec(self, spec: BatchSpec, on_layer: LayerHook | None = None) -> None:
         """A follower's step: the forward pass of rank 0's batch (rank 0 samples)."""
-        self.model(self.to_batch(spec), self.kv_caches)
+        self.model(self.to_batch(spec), self.kv_caches, on_layer)
 
     def build_spec(self, chunks: list[ScheduledChunk]) -> BatchSpec:
         bs = self.block_size

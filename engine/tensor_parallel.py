@@ -10,9 +10,19 @@ heads:
     rank r:              read BatchSpec -> forward
 
 A follower waits for its next batch with no deadline (an idle engine sends nothing); the
-connection closing (rank 0 gone) ends it. The collectives have the process group's
-deadline, so a rank that dies or hangs mid-step fails the step on every rank, and the engine
-with it: a tensor-parallel worker lives or dies as a whole.
+connection closing (rank 0 gone) ends it.
+
+Beside the forward pass a follower may play a part in its worker's role, through the
+`FollowerHooks` its spec names (worker/rank_roles.py: each rank sends or receives the KV heads
+it holds). On the same connection:
+
+    rank 0 -> rank r   ["step", batch, extra]   extra: what the hooks need for this step
+                       ["call", request]        answered by ["reply", result]
+    rank r -> rank 0   ["event", body]          any time, from any thread of rank r
+
+The collectives have the process group's deadline, so a rank that dies or hangs mid-step
+fails the step on every rank, and the engine with it: a tensor-parallel worker lives or dies
+as a whole.
 
 Who starts the followers is the caller's: `spawn_followers` (local processes, for
 `tandem generate` and tests) or a Ray launcher that places one actor per rank
@@ -21,14 +31,18 @@ Who starts the followers is the caller's: `spawn_followers` (local processes, fo
 
 from __future__ import annotations
 
+import contextlib
 import datetime
+import functools
 import logging
 import multiprocessing
+import queue
 import secrets
 import socket
+import threading
 import time
 from collections.abc import Callable
-from typing import NamedTuple
+from typing import Any, NamedTuple, Protocol
 
 import msgpack
 import torch
@@ -36,6 +50,7 @@ import torch.distributed as dist
 from torch.distributed import TCPStore
 
 from engine.config import EngineConfig
+from engine.model import LayerHook
 from protocol.kv import Endpoint
 from protocol.wire import HEADER, frame, frame_length
 
@@ -67,6 +82,27 @@ class FollowerSpec(NamedTuple):
     secret: str
     num_threads: int
     timeout: float  # seconds any collective, or joining, may take
+    hooks: HooksFactory | None = None  # a module-level callable, so the spec pickles
+
+
+class FollowerHooks(Protocol):
+    """A follower's part in its worker's role, beside the forward pass."""
+
+    def call(self, request: list) -> object:
+        """Answers a `RankGroup.call` from rank 0, on the follower's main thread."""
+
+    def step(self, extra: object, forward: Callable[[LayerHook | None], None]) -> None:
+        """Runs one step: `forward(on_layer)` is the forward pass; `extra` what rank 0 sent."""
+
+
+class RemoteError(RuntimeError):
+    """A follower's hooks raised while answering a call."""
+
+
+# Builds a follower's hooks: (its runner, its spec, emit) -> FollowerHooks, where emit(body)
+# sends an event to rank 0 from any thread.
+HooksFactory = Callable[[Any, FollowerSpec, Callable[[object], None]], FollowerHooks]
+EventHandler = Callable[[int, object], None]
 
 
 # Starts one follower somewhere and returns at once, with what must stay referenced for the
@@ -96,6 +132,8 @@ class RankGroup:
         ]  # fmt: skip
         self._secret, self._timeout = secret, timeout
         self._followers: list[socket.socket] = []
+        self._replies: list[queue.SimpleQueue] = []
+        self.on_event: EventHandler | None = None  # (rank, body), on a reader thread
 
     def join(self, device: torch.device) -> dist.ProcessGroup:
         """The ranks' process group, once every follower has joined it."""
@@ -105,32 +143,84 @@ class RankGroup:
         """Waits for every follower to connect (each does once its shard is loaded);
         TimeoutError past the config's rank_timeout."""
         deadline = time.monotonic() + self._timeout
-        while len(self._followers) < self.size - 1:
+        joined: dict[int, socket.socket] = {}
+        while len(joined) < self.size - 1:
             self._server.settimeout(max(deadline - time.monotonic(), 0.001))
             try:
                 connection, _ = self._server.accept()
             except TimeoutError:
-                missing = self.size - 1 - len(self._followers)
+                missing = self.size - 1 - len(joined)
                 raise TimeoutError(f"{missing} tensor-parallel rank(s) did not start") from None
             connection.settimeout(self._timeout)
-            if _read(connection) != [HELLO, self._secret]:
+            hello = _read(connection)
+            if not isinstance(hello, list) or hello[:2] != [HELLO, self._secret]:
                 connection.close()
                 continue
             connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            self._followers.append(connection)
+            joined[int(hello[2])] = connection
         self._server.close()
+        self._followers = [joined[rank] for rank in range(1, self.size)]
+        for rank, connection in enumerate(self._followers, start=1):
+            replies: queue.SimpleQueue = queue.SimpleQueue()
+            self._replies.append(replies)
+            threading.Thread(
+                target=self._read_follower,
+                args=(rank, connection, replies),
+                name="tandem-rank-reader",
+                daemon=True,
+            ).start()
 
-    def send(self, spec: BatchSpec) -> None:
-        """Every follower gets the batch; OSError when one is gone."""
-        message = frame(list(spec))
+    def send(self, spec: BatchSpec, extra: object = None) -> None:
+        """Every follower gets the batch (and `extra`, for its hooks); OSError when one is
+        gone."""
+        message = frame(["step", list(spec), extra])
         for connection in self._followers:
             connection.sendall(message)
+
+    def call(self, request: list) -> list[object]:
+        """Every follower's hooks answer `request` (in rank order). Raises RemoteError when
+        one's hooks raise, TimeoutError past the rank deadline, OSError when one is gone.
+        One caller at a time (the engine thread)."""
+        message = frame(["call", request])
+        for connection in self._followers:
+            connection.sendall(message)
+        deadline = time.monotonic() + self._timeout
+        answers = []
+        for rank, replies in enumerate(self._replies, start=1):
+            try:
+                ok, answer = replies.get(timeout=max(deadline - time.monotonic(), 0.001))
+            except queue.Empty:
+                raise TimeoutError(f"tensor-parallel rank {rank} did not answer") from None
+            if not ok:
+                raise RemoteError(f"tensor-parallel rank {rank}: {answer}")
+            answers.append(answer)
+        return answers
 
     def close(self) -> None:
         """Followers see their connection close and exit."""
         for connection in self._followers:
+            # shutdown first: it also wakes this side's reader thread (a plain close does not)
+            with contextlib.suppress(OSError):
+                connection.shutdown(socket.SHUT_RDWR)
             connection.close()
         self._followers.clear()
+
+    def _read_follower(
+        self, rank: int, connection: socket.socket, replies: queue.SimpleQueue
+    ) -> None:
+        while True:
+            try:
+                kind, body = _read(connection, patient=True)
+            except (OSError, EOFError, ValueError):
+                replies.put((False, "the rank is gone"))
+                return
+            if kind == "reply":
+                replies.put(body)
+            elif self.on_event is not None:
+                try:
+                    self.on_event(rank, body)
+                except Exception:
+                    log.exception("handling an event of tensor-parallel rank %d failed", rank)
 
 
 def process_group(
@@ -161,16 +251,41 @@ def follow(spec: FollowerSpec) -> None:
     runner = ModelRunner.follower(spec, group)
     connection = socket.create_connection(tuple(spec.control), timeout=spec.timeout)
     connection.settimeout(None)  # an idle engine sends nothing for as long as it is idle
-    connection.sendall(frame([HELLO, spec.secret]))
+    connection.sendall(frame([HELLO, spec.secret, spec.rank]))
+    writing = threading.Lock()
+
+    def write(body: object) -> None:
+        message = frame(body)
+        with writing:
+            connection.sendall(message)
+
+    hooks = spec.hooks(runner, spec, lambda body: write(["event", body])) if spec.hooks else None
     try:
         while True:
             try:
-                body = _read(connection)
+                kind, *body = _read(connection)
             except (ConnectionError, EOFError):
                 return  # rank 0 closed or died
-            runner.run_spec(BatchSpec(*body))
+            if kind == "call":
+                write(["reply", _answer(hooks, body[0])])
+                continue
+            batch, extra = BatchSpec(*body[0]), body[1]
+            if hooks is not None and extra is not None:
+                hooks.step(extra, functools.partial(runner.run_spec, batch))
+            else:
+                runner.run_spec(batch)
     finally:
         connection.close()
+
+
+def _answer(hooks: FollowerHooks | None, request: list) -> tuple[bool, object]:
+    if hooks is None:
+        return False, "this rank has no hooks"
+    try:
+        return True, hooks.call(request)
+    except Exception as err:  # the caller hears it; the rank goes on
+        log.exception("tensor-parallel call %s failed", request[:1])
+        return False, f"{type(err).__name__}: {err}"
 
 
 def spawn_followers(spec: FollowerSpec) -> multiprocessing.Process:
@@ -190,15 +305,22 @@ def _follow_logged(spec: FollowerSpec) -> None:
         raise
 
 
-def _read(connection: socket.socket) -> object:
-    header = _read_exactly(connection, HEADER.size)
-    return msgpack.unpackb(_read_exactly(connection, frame_length(header)))
+def _read(connection: socket.socket, patient: bool = False) -> Any:
+    """One frame's body. `patient`: the socket's timeout (kept for sends) does not end a
+    wait for the next frame, nor one in the middle of a frame."""
+    header = _read_exactly(connection, HEADER.size, patient)
+    return msgpack.unpackb(_read_exactly(connection, frame_length(header), patient))
 
 
-def _read_exactly(connection: socket.socket, count: int) -> bytes:
+def _read_exactly(connection: socket.socket, count: int, patient: bool = False) -> bytes:
     chunks, left = [], count
     while left:
-        chunk = connection.recv(min(left, 1 << 20))
+        try:
+            chunk = connection.recv(min(left, 1 << 20))
+        except TimeoutError:
+            if patient:
+                continue
+            raise
         if not chunk:
             raise EOFError("connection closed")
         chunks.append(chunk)

@@ -19,7 +19,7 @@ import torch
 
 from kernels import cpu_extension
 from kernels.decode_attention import decode_attention_ref
-from kernels.pack_kv import pack_kv_ref, unpack_kv_ref
+from kernels.pack_kv import pack_kv_heads, pack_kv_ref, unpack_kv_heads, unpack_kv_ref
 from kernels.prefill_attention import causal_attention, prefill_attention_ref
 from kernels.rms_norm import rms_norm_ref
 from kernels.rotary import rotary_ref
@@ -152,7 +152,10 @@ def pack_kv(
     value_cache: torch.Tensor,
     slots: torch.Tensor,  # [N] int64
     out: torch.Tensor | None = None,  # [2, N, kv_heads, head_dim]
+    heads: range | None = None,  # a part of the cache's heads (tensor-parallel routes)
 ) -> torch.Tensor:  # [2, N, kv_heads, head_dim]: K rows then V rows, in slot order
+    if _is_part(heads, key_cache):
+        return pack_kv_heads(key_cache, value_cache, slots, heads, out)
     gpu = _triton(key_cache, "pack_kv")
     impl = gpu.pack_kv if gpu is not None else pack_kv_ref
     return impl(key_cache, value_cache, slots, out)
@@ -163,7 +166,11 @@ def unpack_kv(
     key_cache: torch.Tensor,  # [num_blocks, block_size, kv_heads, head_dim]
     value_cache: torch.Tensor,
     slots: torch.Tensor,  # [N] int64
+    heads: range | None = None,  # the cache's heads the buffer holds; all if None
 ) -> None:
+    if _is_part(heads, key_cache):
+        unpack_kv_heads(buffer, key_cache, value_cache, slots, heads)
+        return
     gpu = _triton(key_cache, "pack_kv")
     if gpu is not None:
         gpu.unpack_kv(buffer, key_cache, value_cache, slots)
@@ -173,6 +180,10 @@ def unpack_kv(
         native.store_kv(buffer[0], buffer[1], key_cache, value_cache, slots)
     else:
         unpack_kv_ref(buffer, key_cache, value_cache, slots)
+
+
+def _is_part(heads: range | None, cache: torch.Tensor) -> bool:
+    return heads is not None and len(heads) != cache.shape[2]
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:  # [N, 2*I] -> [N, I]

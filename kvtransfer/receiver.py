@@ -13,6 +13,12 @@ the lock `forget` takes, so nothing of an attempt that was forgotten (aborted, e
 lands in blocks that may now hold another request; such bytes are read, dropped and counted
 (`stale_frames`).
 
+Under tensor parallelism a request's KV arrives on several legs, one channel per route into
+this rank (protocol/kv.py), each carrying some of the heads this rank holds: every leg sends
+its own step frames, payloads and done frame (with the digest of its own payloads), and the
+request has arrived once every leg's done frame has. A leg whose channel breaks retires the
+pair's key, so the next reservation opens new channels.
+
 Events go to `on_event`, called on the receiver thread; the decode worker hands them to its
 engine thread. Reservations (`expect`) and `forget` may be called from any thread.
 """
@@ -33,7 +39,7 @@ from kernels import ops
 from kvtransfer.integrity import DIGEST_START, fold, payload_sum
 from kvtransfer.transport import Channel, Rendezvous, TransferError, Transport
 from kvtransfer.wire import AbortFrame, DoneFrame, PostedFrame, StepFrame
-from protocol.kv import KVLayout
+from protocol.kv import Route, base_key
 
 log = logging.getLogger(__name__)
 
@@ -45,6 +51,7 @@ class Arrived(NamedTuple):
     top_logprobs: list[tuple[int, float]] | None
     bytes_received: int
     seconds: float  # first frame to done frame
+    route_bytes: dict[str, int] | None = None  # "src>dst" -> bytes, per route into this rank
 
 
 class TransferFailed(NamedTuple):
@@ -56,16 +63,31 @@ class TransferFailed(NamedTuple):
 ReceiveEvent = Arrived | TransferFailed
 
 
+class Leg(NamedTuple):
+    """One route into this rank: its channel, and which of this rank's cache heads it fills."""
+
+    key: str
+    heads: range  # of this rank's cache
+    route: Route
+
+
+@dataclass
+class _LegState:
+    bytes_received: int = 0
+    digest: int = DIGEST_START
+    done: DoneFrame | None = None
+
+
 @dataclass
 class _Expected:
-    key: str
+    base: str  # the pair's channel key; every leg's key derives from it
     slots: torch.Tensor  # [num_tokens - num_cached] cache slots, in token order
     num_cached: int
+    legs: dict[str, tuple[Leg, _LegState]]
     bytes_expected: int
     verify: bool = True
     bytes_received: int = 0
     first_frame: float | None = None
-    digest: int = DIGEST_START
 
 
 class _StepBroke(Exception):
@@ -107,23 +129,26 @@ class KVReceiver:
         transport: Transport,
         rendezvous: Rendezvous,
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-        layout: KVLayout,
         decode_id: str,
         on_event: Callable[[ReceiveEvent], None],
         timeout: float,
+        on_broken: Callable[[str], None] | None = None,
     ) -> None:
+        """`on_broken(base)`: a channel of the pair `base` broke (called on its thread)."""
         self.transport = transport
         self.rendezvous = rendezvous
         self.kv_caches = kv_caches
-        self.layout = layout
         self.decode_id = decode_id
         self.on_event = on_event
+        self.on_broken = on_broken
         self.timeout = timeout  # channel opening and each payload receive
         self._lock = threading.Lock()
         self._expected: dict[str, _Expected] = {}
         self._keys: dict[str, str] = {}  # prefill worker id -> its live channel key
+        self._serving: set[str] = set()  # channel keys with a receiver thread
         self._generation = itertools.count()
         self.bytes_received = 0
+        self.route_bytes: dict[str, int] = {}  # "src>dst" -> bytes received, all requests
         self.stale_frames = 0  # payloads and frames of attempts no longer expected, dropped
         # Receives still posted on channels that broke: a transport may write into their
         # buffers after the receiver gave up (UCX does), so the buffers must outlive the
@@ -131,11 +156,11 @@ class KVReceiver:
         self._posted_on_broken: list[object] = []
 
     def channel_key(self, prefill_id: str, broken: str | None = None) -> str:
-        """The live channel key for a prefill peer, starting a receiver thread if none runs.
-        `broken`: a key the prefill side found broken; if it is still the live one here (this
-        side has not noticed yet), it is given up and a new channel starts."""
-        if broken is not None and self._keys.get(prefill_id) == broken:
-            self._close_key(prefill_id, broken)
+        """The live channel key of a prefill peer (its routes' keys derive from it), new if
+        it has none. `broken`: a key the prefill side found broken; if it still belongs to
+        the live one here (this side has not noticed yet), that is given up for a new one."""
+        if broken is not None and self._keys.get(prefill_id) == base_key(broken):
+            self.retire(base_key(broken), f"KV channel {broken} broke")
         with self._lock:
             key = self._keys.get(prefill_id)
             if key is None:
@@ -144,32 +169,69 @@ class KVReceiver:
                 port = self.rendezvous.endpoint.port
                 key = f"{prefill_id}->{self.decode_id}:{port}#{next(self._generation)}"
                 self._keys[prefill_id] = key
-                threading.Thread(
-                    target=self._serve, args=(prefill_id, key), name=f"kv-recv-{key}", daemon=True
-                ).start()
             return key
 
     def expect(
-        self, request_id: str, key: str, slots: list[int], num_cached: int, verify: bool = True
+        self,
+        request_id: str,
+        key: str,
+        slots: list[int],
+        num_cached: int,
+        verify: bool = True,
+        legs: list[Leg] | None = None,
     ) -> None:
+        """Reserves `slots` for a request's KV, arriving on `legs` (default: all heads on
+        channel `key`), whose keys derive from the pair's `key`; starts their receivers."""
+        key_cache = self.kv_caches[0][0]
+        if legs is None:
+            num_heads = key_cache.shape[2]
+            legs = [Leg(key, range(num_heads), Route(0, 0, 0, num_heads))]
+        heads = sum(len(leg.heads) for leg in legs)
         expected = _Expected(
-            key=key,
-            slots=torch.tensor(slots, dtype=torch.int64, device=self.kv_caches[0][0].device),
+            base=key,
+            slots=torch.tensor(slots, dtype=torch.int64, device=key_cache.device),
             num_cached=num_cached,
-            bytes_expected=self.layout.num_layers
+            legs={leg.key: (leg, _LegState()) for leg in legs},
+            bytes_expected=len(self.kv_caches)
             * len(slots)
-            * self.layout.bytes_per_token_layer(),
+            * 2
+            * heads
+            * key_cache.shape[3]
+            * key_cache.element_size(),
             verify=verify,
         )
         with self._lock:
             self._expected[request_id] = expected
+            starting = [leg for leg in legs if leg.key not in self._serving]
+            self._serving.update(leg.key for leg in starting)
+        for leg in starting:
+            threading.Thread(
+                target=self._serve, args=(leg,), name=f"kv-recv-{leg.key}", daemon=True
+            ).start()
 
     def forget(self, request_id: str) -> None:
         """Stops expecting a request; frames that still come for it are read and dropped."""
         with self._lock:
             self._expected.pop(request_id, None)
 
-    def _serve(self, prefill_id: str, key: str) -> None:
+    def forget_all(self) -> None:
+        with self._lock:
+            self._expected.clear()
+
+    def retire(self, base: str, reason: str) -> None:
+        """Gives up the pair's channel key `base`: its requests fail, and the prefill peer
+        gets a new key at its next reservation."""
+        with self._lock:
+            for prefill_id in [p for p, key in self._keys.items() if key == base]:
+                del self._keys[prefill_id]
+            failed = [r for r, e in self._expected.items() if e.base == base]
+            for request_id in failed:
+                del self._expected[request_id]
+        for request_id in failed:
+            self.on_event(TransferFailed(request_id, reason))
+
+    def _serve(self, leg: Leg) -> None:
+        key = leg.key
         # Unpacking is a small memory-bound copy: one thread, or it fights the engine thread
         # for cores (a fresh thread would otherwise use them all).
         torch.set_num_threads(1)
@@ -179,7 +241,7 @@ class KVReceiver:
             posted = PostedFrame(channel)
             spare = StagingBuffers()
             while True:
-                posted = self._receive_one(channel, posted, spare)
+                posted = self._receive_one(channel, leg, posted, spare)
         except _StepBroke as broke:
             log.warning("KV channel %s closed: %s", key, broke.error)
             self._keep_posted(broke.posted)
@@ -190,29 +252,41 @@ class KVReceiver:
         self._keep_posted([posted])
         if channel is not None:
             channel.close()
-        self._close_key(prefill_id, key)
+        with self._lock:
+            self._serving.discard(key)
+        self.retire(base_key(key), f"KV channel {key} broke")
+        if self.on_broken is not None:
+            self.on_broken(base_key(key))
 
     def _keep_posted(self, posted: list[object]) -> None:
         with self._lock:
             self._posted_on_broken.extend(p for p in posted if p is not None)
 
     def _receive_one(
-        self, channel: Channel, posted: PostedFrame, spare: StagingBuffers
+        self, channel: Channel, leg: Leg, posted: PostedFrame, spare: StagingBuffers
     ) -> PostedFrame:
         """Handles one frame; returns the receive already posted for the next one."""
         frame = posted.read(timeout=None)
         if isinstance(frame, StepFrame):
-            return self._receive_step(channel, frame, spare)
+            return self._receive_step(channel, leg, frame, spare)
         with self._lock:
-            expected = self._expected.pop(frame.request_id, None)
-            if expected is None:
+            expected = self._expected.get(frame.request_id)
+            entry = expected.legs.get(leg.key) if expected is not None else None
+            if entry is None:
                 self.stale_frames += 1
-        if expected is not None:
+                return PostedFrame(channel)
+            finished = isinstance(frame, AbortFrame)
+            if not finished:
+                entry[1].done = frame
+                finished = all(state.done is not None for _, state in expected.legs.values())
+            if finished:
+                del self._expected[frame.request_id]
+        if finished:
             self._finish(frame, expected)
         return PostedFrame(channel)
 
     def _receive_step(
-        self, channel: Channel, frame: StepFrame, spare: StagingBuffers
+        self, channel: Channel, leg: Leg, frame: StepFrame, spare: StagingBuffers
     ) -> PostedFrame:
         """Posts every payload receive of the step, then the next frame's; unpacks each layer
         as it lands (the prefill side sends them as its layers finish)."""
@@ -220,14 +294,14 @@ class KVReceiver:
         for layer in range(frame.num_layers):
             kv = self.kv_caches[layer][0]
             for request_id, start, num_tokens in frame.chunks:
-                payload = spare.take(kv, (2, num_tokens, *kv.shape[2:]))  # [2, n, heads, dim]
+                payload = spare.take(kv, (2, num_tokens, len(leg.heads), kv.shape[3]))
                 arriving.append((channel.recv_async(payload), payload, layer, request_id, start))
         following = PostedFrame(channel)
         done = 0
         try:
             for pending, payload, layer, request_id, start in arriving:
                 pending.wait(self.timeout)
-                self._unpack(request_id, layer, start, payload)
+                self._unpack(request_id, leg, layer, start, payload)
                 spare.give_back(payload)
                 done += 1
         except Exception as err:
@@ -236,55 +310,66 @@ class KVReceiver:
             raise _StepBroke(err, [*still_posted, following]) from err
         return following
 
-    def _unpack(self, request_id: str, layer: int, start: int, payload: torch.Tensor) -> None:
+    def _unpack(
+        self, request_id: str, leg: Leg, layer: int, start: int, payload: torch.Tensor
+    ) -> None:
         with self._lock:
             expected = self._expected.get(request_id)
+            live = expected is not None and leg.key in expected.legs
         # The checksum outside the lock (the engine thread takes it to reserve and forget).
-        checksum = payload_sum(payload) if expected is not None and expected.verify else None
+        checksum = payload_sum(payload) if live and expected.verify else None
         # Under the lock: once forget() returns, no write lands in blocks that may be reused.
         with self._lock:
-            if expected is None or self._expected.get(request_id) is not expected:
+            if not live or self._expected.get(request_id) is not expected:
                 self.stale_frames += 1  # expired, aborted or retried meanwhile: drop the bytes
                 return
+            state = expected.legs[leg.key][1]
             if checksum is not None:
-                expected.digest = fold(expected.digest, checksum)
+                state.digest = fold(state.digest, checksum)
             offset = start - expected.num_cached
             slots = expected.slots[offset : offset + payload.shape[1]]
             key_cache, value_cache = self.kv_caches[layer]
-            ops.unpack_kv(payload, key_cache, value_cache, slots)
+            ops.unpack_kv(payload, key_cache, value_cache, slots, leg.heads)
+            nbytes = payload.numel() * payload.element_size()
+            state.bytes_received += nbytes
+            expected.bytes_received += nbytes
+            self.bytes_received += nbytes
+            label = f"{leg.route.src}>{leg.route.dst}"
+            self.route_bytes[label] = self.route_bytes.get(label, 0) + nbytes
         expected.first_frame = expected.first_frame or time.monotonic()
-        nbytes = payload.numel() * payload.element_size()
-        expected.bytes_received += nbytes
-        self.bytes_received += nbytes
 
     def _finish(self, frame: DoneFrame | AbortFrame, expected: _Expected) -> None:
+        """`frame`: an abort, or the last leg's done frame."""
         if isinstance(frame, AbortFrame):
             self.on_event(TransferFailed(frame.request_id, f"prefill aborted: {frame.reason}"))
-        elif expected.bytes_received != expected.bytes_expected:
+            return
+        if expected.bytes_received != expected.bytes_expected:
             reason = f"received {expected.bytes_received} of {expected.bytes_expected} KV bytes"
             self.on_event(TransferFailed(frame.request_id, reason))
-        elif expected.verify and frame.digest != expected.digest:
+            return
+        states = [state for _, state in expected.legs.values()]
+        if expected.verify and any(state.done.digest != state.digest for state in states):
             reason = "KV checksum mismatch: the bytes received are not the bytes sent"
             self.on_event(TransferFailed(frame.request_id, reason, corrupt=True))
-        else:
-            seconds = time.monotonic() - (expected.first_frame or time.monotonic())
-            self.on_event(
-                Arrived(
-                    frame.request_id,
-                    frame.token_id,
-                    frame.logprob,
-                    frame.top_logprobs,
-                    expected.bytes_received,
-                    seconds,
-                )
+            return
+        # Route 0>0 carries the sampled token; a follower rank's legs carry none.
+        token = next(
+            (state.done for leg, state in expected.legs.values() if leg.route[:2] == (0, 0)),
+            frame,
+        )
+        seconds = time.monotonic() - (expected.first_frame or time.monotonic())
+        routes = {
+            f"{leg.route.src}>{leg.route.dst}": state.bytes_received
+            for leg, state in expected.legs.values()
+        }
+        self.on_event(
+            Arrived(
+                frame.request_id,
+                token.token_id,
+                token.logprob,
+                token.top_logprobs,
+                expected.bytes_received,
+                seconds,
+                routes,
             )
-
-    def _close_key(self, prefill_id: str, key: str) -> None:
-        with self._lock:
-            if self._keys.get(prefill_id) == key:
-                del self._keys[prefill_id]
-            failed = [r for r, e in self._expected.items() if e.key == key]
-            for request_id in failed:
-                del self._expected[request_id]
-        for request_id in failed:
-            self.on_event(TransferFailed(request_id, f"KV channel {key} broke"))
+        )

@@ -37,6 +37,7 @@ class SendRecord:
     finished: float | None = None
     layer_sends: list[tuple[int, float, float]] = field(default_factory=list)  # layer, start, end
     digest: int = DIGEST_START  # of the payloads posted so far (kvtransfer/integrity.py)
+    channel_key: str = ""  # the leg it went on (a request has one per route from this rank)
 
     @property
     def seconds(self) -> float:
@@ -75,15 +76,16 @@ SendCallback = Callable[[str, SendRecord, TransferError | None], None]
 
 class KVSender:
     def __init__(self, transport: Transport, timeout: float, on_finished: SendCallback) -> None:
-        """`on_finished(request_id, record, error)` runs on the sender thread once a request's
-        done frame is sent (error None) or its transfer failed."""
+        """`on_finished(request_id, record, error)` runs on the sender thread once each of a
+        request's done frames is sent (error None; one per leg, `record.channel_key` says
+        which), or once if its transfer failed."""
         self.transport = transport
         self.timeout = timeout
         self.on_finished = on_finished
         self._jobs: queue.SimpleQueue[Job | _Stop] = queue.SimpleQueue()
         self._channels: dict[str, Channel] = {}
         self._dead_keys: set[str] = set()
-        self._records: dict[str, SendRecord] = {}
+        self._records: dict[tuple[str, str], SendRecord] = {}  # (request id, channel key)
         self._failed: OrderedDict[str, None] = OrderedDict()  # recent failures, bounded
         self._inflight: deque[tuple[Pending, _SendFrame | _SendLayer, float]] = deque()
         self._thread = threading.Thread(target=self._run, name="tandem-kv-sender", daemon=True)
@@ -132,11 +134,11 @@ class KVSender:
                     return  # its failure was reported already
                 if isinstance(last, DoneFrame) and ticket.verify:
                     # Every payload of the request was posted before its done frame.
-                    record = self._records.get(ticket.request_id, SendRecord())
+                    record = self._records.get(_leg(ticket), SendRecord())
                     job = _SendFrame(ticket, last._replace(digest=record.digest))
                 if self._start(job):
                     self._drain(0)
-                    self._complete(ticket.request_id, last)
+                    self._complete(ticket, last)
             case _:
                 self._start(job)
 
@@ -153,7 +155,9 @@ class KVSender:
 
     def _post(self, channel: Channel, job: _SendFrame | _SendLayer) -> None:
         """Posts the frame or payload without waiting, keeping at most WINDOW in flight."""
-        record = self._records.setdefault(job.ticket.request_id, SendRecord())
+        record = self._records.setdefault(
+            _leg(job.ticket), SendRecord(channel_key=job.ticket.channel_key)
+        )
         start = time.monotonic()
         match job:
             case _SendFrame(frame=frame):
@@ -177,13 +181,14 @@ class KVSender:
             except TransferError as err:
                 self._fail_job(job, err)
                 continue
-            record = self._records.get(job.ticket.request_id)
+            record = self._records.get(_leg(job.ticket))
             if isinstance(job, _SendLayer) and record is not None:
                 record.bytes_sent += job.payload.numel() * job.payload.element_size()
                 record.layer_sends.append((job.layer, start, time.monotonic()))
 
-    def _complete(self, request_id: str, last: DoneFrame | AbortFrame) -> None:
-        record = self._records.pop(request_id, None)
+    def _complete(self, ticket: Ticket, last: DoneFrame | AbortFrame) -> None:
+        request_id = ticket.request_id
+        record = self._records.pop(_leg(ticket), None)
         if record is None or request_id in self._failed:
             return
         record.finished = time.monotonic()
@@ -214,8 +219,15 @@ class KVSender:
             channel.close()
 
     def _fail(self, request_id: str, err: TransferError) -> None:
-        record = self._records.pop(request_id, SendRecord())
+        legs = [leg for leg in self._records if leg[0] == request_id]
+        record = SendRecord()
+        for leg in legs:
+            record = self._records.pop(leg)
         self._failed[request_id] = None
         if len(self._failed) > REMEMBERED_FAILURES:
             self._failed.popitem(last=False)
         self.on_finished(request_id, record, err)
+
+
+def _leg(ticket: Ticket) -> tuple[str, str]:
+    return ticket.request_id, ticket.channel_key

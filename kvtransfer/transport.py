@@ -63,11 +63,15 @@ class Transport(Protocol):
 class Rendezvous:
     """The store a decode worker hosts so prefill workers can find it."""
 
-    def __init__(self, host: str) -> None:
-        self.store = TCPStore(
-            host, 0, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=30)
-        )
-        self.endpoint = Endpoint(host, self.store.port)
+    def __init__(self, host: str, joining: Endpoint | None = None) -> None:
+        """`joining`: use that store instead of hosting one (a tensor-parallel decode
+        worker's follower ranks use their rank 0's)."""
+        timeout = datetime.timedelta(seconds=30)
+        if joining is None:
+            self.store = TCPStore(host, 0, is_master=True, wait_for_workers=False, timeout=timeout)
+        else:
+            self.store = TCPStore(joining.host, joining.port, is_master=False, timeout=timeout)
+        self.endpoint = Endpoint(joining.host if joining else host, self.store.port)
 
 
 TRANSPORTS: dict[str, Callable[[torch.device], Transport]] = {}

@@ -1,8 +1,14 @@
 """PrefillWorker: computes prompts and streams their KV, layer by layer, to decode workers.
 
     submit(request, ticket) -> engine thread: chunked prefill under a token budget
+        before a step: announce each request's chunk, per leg (kvtransfer/legs.py)
         after layer l of a step: pack each request's new K/V of layer l -> KVSender (own thread)
-        after the last chunk: sample the next token -> done frame -> PrefillReport to the caller
+        after the last chunk: sample the next token -> done frames -> PrefillReport to the caller
+
+Tensor parallel: this is rank 0. Each step's chunks also go to the follower ranks with the
+batch; each sends the routes from its own rank (worker/rank_roles.py), and this rank only
+those from rank 0. The report waits for this rank's legs; a follower's failed leg fails the
+transfer on the decode side.
     The request's blocks are freed as soon as its step ends (the packed buffers own the bytes);
     its full blocks stay in this worker's prefix cache.
 
@@ -13,19 +19,18 @@ state itself. A plain class (no Ray); `worker.actor` wraps it.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from typing import NamedTuple
 
-import torch
-
 from engine.block_manager import slots_of
 from engine.engine import LLMEngine
 from engine.engine_thread import EngineThread
 from engine.scheduler import StepPlan
-from kernels import ops
+from kvtransfer.legs import LegChunk, StepChunk, announce, pack_layer, ready_event
 from kvtransfer.sender import KVSender, SendRecord
 from kvtransfer.transport import TransferError, Transport
 from protocol.errors import RequestFailedError
@@ -62,17 +67,14 @@ class _Sampled(NamedTuple):
     computed_at: float  # the same moment on the wall clock (comparable across processes)
 
 
-class _StepSlots(NamedTuple):
-    """One request's share of a step: the cache slots whose KV it sends."""
-
-    pending: _Pending
-    slots: torch.Tensor  # [n] int64 slot ids
-
-
 class _Pending:
     def __init__(self, request: WorkRequest, ticket: Ticket, on_result: ResultCallback) -> None:
         self.request = request
         self.ticket = ticket
+        self.legs = [leg for leg, _ in ticket.legs(0)]  # what this rank sends: route 0>0 first
+        self.legs_left = len(self.legs)
+        self.bytes_sent = 0
+        self.record: SendRecord | None = None  # route 0>0's
         self.on_result = on_result
         self.layers_computed: list[tuple[int, float]] = []
         self.sent_upto = ticket.num_cached_tokens  # tokens before this are sent or not needed
@@ -99,8 +101,11 @@ class PrefillWorker:
         self.sender = KVSender(transport, transfer_timeout, self._on_sent)
         self.transfers = TransferCounters(transport.name)
         self._pending: dict[str, _Pending] = {}
-        self._step_slots: list[_StepSlots] = []  # this step's senders, in announced order
+        self._step_legs: list[LegChunk] = []  # this step's sends from this rank, in order
         self._held: list[tuple] = []
+        self.ranks = engine.runner.ranks  # the follower ranks, under tensor parallelism
+        if self.ranks is not None:  # each sends its own routes
+            self.ranks.call(["prefill", transport.name, transfer_timeout])
         self.thread = EngineThread(
             f"prefill-{worker_id}", self._step, lambda: self.engine.has_unfinished, self._crashed
         )
@@ -135,6 +140,9 @@ class PrefillWorker:
         self.sender.close(timeout=0.1)
         self._crashed(RuntimeError("the worker stopped serving"))
         self.engine.abort_all()
+        if self.ranks is not None:
+            with contextlib.suppress(Exception):  # a dead rank ends the worker anyway
+                self.ranks.call(["idle"])
 
     # -- engine thread ---------------------------------------------------------------------
 
@@ -147,8 +155,10 @@ class PrefillWorker:
             min_tokens=min(request.params.min_tokens, num_out + 1),
         )
         self.engine.add_request(request.request_id, request.prompt_ids, params, request.output_ids)
-        self._pending[request.request_id] = _Pending(request, ticket, on_result)
-        self.sender.open(ticket)
+        pending = _Pending(request, ticket, on_result)
+        self._pending[request.request_id] = pending
+        for leg in pending.legs:
+            self.sender.open(leg)
 
     def _abort(self, request_id: str, error: Exception | None = None) -> None:
         """Ends a request here and tells its decode worker; its caller hears `error`."""
@@ -157,12 +167,13 @@ class PrefillWorker:
             return
         error = error or TransferError("aborted by the coordinator")
         self.engine.abort(request_id)
-        self.sender.send_abort(pending.ticket, str(error))
+        for leg in pending.legs:
+            self.sender.send_abort(leg, str(error))
         pending.on_result(request_id, error)
 
     def _step(self) -> None:
-        self._step_slots = []
-        updates = self.engine.step(on_layer=self._send_layer)
+        self._step_legs = []
+        updates = self.engine.step(on_layer=self._send_layer, on_plan=self._announce_step)
         for held in self._held:
             self.sender.send_layer(*held)
         self._held.clear()
@@ -177,46 +188,44 @@ class PrefillWorker:
             pending.sampled = _Sampled(
                 token, logprobs, update.num_cached_tokens, time.monotonic(), time.time()
             )
-            self.sender.send_done(pending.ticket, token, logprobs)
+            self.sender.send_done(pending.legs[0], token, logprobs)  # route 0>0: the token
+            for leg in pending.legs[1:]:
+                self.sender.send_done(leg, -1, None)
 
     def _send_layer(self, plan: StepPlan, layer: int) -> None:
-        if layer == 0:
-            self._step_slots = self._announce_step(plan)
         key_cache, value_cache = self.engine.kv_caches[layer]
         now = time.monotonic()
-        for pending, slots in self._step_slots:
-            payload = ops.pack_kv(key_cache, value_cache, slots)  # [2, n, kv_heads, head_dim]
-            job = (pending.ticket, layer, payload, _record_event(payload))
+        for leg, payload in pack_layer(self._step_legs, key_cache, value_cache):
+            job = (leg.ticket, layer, payload, ready_event(payload))
             if self.pipeline_layers:
                 self.sender.send_layer(*job)
             else:
                 self._held.append(job)
-            pending.layers_computed.append((layer, now))
+            pending = self._pending[leg.ticket.request_id]
+            if leg.ticket.channel_key == pending.ticket.channel_key:  # once per request
+                pending.layers_computed.append((layer, now))
 
-    def _announce_step(self, plan: StepPlan) -> list[_StepSlots]:
+    def _announce_step(self, plan: StepPlan) -> list | None:
         """Picks the tokens each request sends this step (its chunk, plus earlier tokens found
-        in this worker's prefix cache that its decode worker lacks) and announces them, one
-        StepFrame per decode worker. Returns the senders in the order their layers must follow
-        the announcements."""
-        bs, device = self.engine.config.block_size, self.engine.runner.device
-        by_channel: dict[str, list[tuple[_Pending, int, list[int]]]] = {}
+        in this worker's prefix cache that its decode worker lacks) and announces this rank's
+        legs of them. Returns what the follower ranks need to send theirs: per chunk its
+        ticket, first token, slots, and whether its prefill ends this step."""
+        bs = self.engine.config.block_size
+        chunks: list[StepChunk] = []
+        followers: list[list] = []
         for chunk in plan.chunks:
             pending = self._pending.get(chunk.seq.request_id)
             if pending is None or pending.sent_upto >= chunk.end:
                 continue
             start = pending.sent_upto
             slots = slots_of(chunk.seq.block_table, start, chunk.end, bs)
-            by_channel.setdefault(pending.ticket.channel_key, []).append((pending, start, slots))
+            chunks.append(StepChunk(pending.ticket, start, slots))
+            followers.append([pending.ticket, start, slots, chunk.samples])
             pending.sent_upto = chunk.end
-        ordered: list[_StepSlots] = []
-        for entries in by_channel.values():
-            chunks = [(p.ticket, start, len(slots)) for p, start, slots in entries]
-            self.sender.send_step(chunks, self.layout.num_layers)
-            for pending, _, slots in entries:
-                ordered.append(
-                    _StepSlots(pending, torch.tensor(slots, dtype=torch.int64, device=device))
-                )
-        return ordered
+        self._step_legs = announce(
+            self.sender, chunks, 0, 0, self.layout.num_layers, self.engine.runner.device
+        )
+        return followers if self.ranks is not None and followers else None
 
     def _stats(self) -> WorkerStats:
         return WorkerStats.of(
@@ -236,14 +245,21 @@ class PrefillWorker:
                 self._abort(request_id, error)
             return
         self.transfers.bytes += record.bytes_sent
-        self.transfers.seconds.observe(record.seconds)
-        pending = self._pending.pop(request_id, None)
+        pending = self._pending.get(request_id)
         if pending is None or pending.sampled is None:
             return
-        sampled = pending.sampled
+        pending.bytes_sent += record.bytes_sent
+        if record.channel_key == pending.ticket.channel_key:
+            pending.record = record
+            self.transfers.seconds.observe(record.seconds)
+        pending.legs_left -= 1
+        if pending.legs_left > 0:
+            return  # this rank's other legs are still sending
+        del self._pending[request_id]
+        record, sampled = pending.record or record, pending.sampled
         result = PrefillResult(
             request_id, sampled.token_id, sampled.logprobs, sampled.num_cached_tokens,
-            record.bytes_sent, sampled.computed_at,
+            pending.bytes_sent, sampled.computed_at,
         )  # fmt: skip
         exposed = max(0.0, record.finished - sampled.step_end)
         self.transfers.exposed.observe(exposed)
@@ -264,11 +280,3 @@ class PrefillWorker:
 
     def _on_sent(self, request_id: str, record: SendRecord, error: TransferError | None) -> None:
         self.thread.submit(self._transfer_finished, request_id, record, error)
-
-
-def _record_event(payload: torch.Tensor):
-    if payload.device.type != "cuda":
-        return None
-    event = torch.cuda.Event()
-    event.record()
-    return event

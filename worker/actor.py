@@ -135,10 +135,15 @@ class WorkerActor:
     # -- decode ----------------------------------------------------------------------------
 
     async def reserve(
-        self, request: WorkRequest, prefill_id: str, broken_key: str | None = None
+        self,
+        request: WorkRequest,
+        prefill_id: str,
+        broken_key: str | None = None,
+        prefill_tp: int = 1,
     ) -> Ticket | None:
         decode = self._as(DecodeWorker)
-        return await asyncio.wrap_future(decode.reserve(request, prefill_id, broken_key))
+        reserving = decode.reserve(request, prefill_id, broken_key, prefill_tp)
+        return await asyncio.wrap_future(reserving)
 
     async def add_local(self, request: WorkRequest) -> None:
         await asyncio.wrap_future(self._as(DecodeWorker).add_local(request))

@@ -15,6 +15,7 @@ import ray
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from engine.tensor_parallel import FollowerSpec, Launcher, follow
+from worker.rank_roles import RankRoles
 
 log = logging.getLogger(__name__)
 
@@ -49,7 +50,7 @@ def ray_launcher(placement_group: Any, bundle_resources: dict[str, float]) -> La
                     placement_group, placement_group_bundle_index=spec.rank
                 ),
             )
-            .remote(spec)
+            .remote(spec._replace(hooks=RankRoles))
         )
 
     return launch

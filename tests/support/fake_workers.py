@@ -139,7 +139,11 @@ class FakeDecodeActor(_FakeProcess):
         self.step_seconds = 0.002
 
     async def reserve(
-        self, work: WorkRequest, prefill_id: str, broken_key: str | None = None
+        self,
+        work: WorkRequest,
+        prefill_id: str,
+        broken_key: str | None = None,
+        prefill_tp: int = 1,
     ) -> Ticket | None:
         if self.frozen:
             await asyncio.Event().wait()
