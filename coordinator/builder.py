@@ -31,7 +31,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from coordinator.coordinator import Coordinator, CoordinatorConfig
 from coordinator.deploy import DeployConfig
 from coordinator.reaper import start_reaper
-from engine.config import ConfigError, EngineConfig, ModelConfig
+from engine.config import ConfigError, EngineConfig, ModelConfig, check_splits
 from engine.tokenizer import Tokenizer
 from protocol.kv import DTYPE_BYTES
 
@@ -87,6 +87,8 @@ def build_client(engine: EngineConfig, deploy: DeployConfig) -> Coordinator:
     connect_ray(deploy.address)
     model = ModelConfig.from_pretrained(engine.model)
     spawner = WorkerSpawner(engine, deploy)
+    for pool in spawner.pools():  # before any worker starts: a clear error, not a dead actor
+        check_splits(model, spawner.tensor_parallel(pool))
     spawner.check_room()
     prefill, decode = spawner.initial_pools()
     return Coordinator(
@@ -121,10 +123,10 @@ class WorkerSpawner:
         self.deploy = deploy
         self.total = deploy.num_prefill + deploy.num_decode
         if deploy.mode == "colocated":
-            self.ranks = self.total * self._tp("colocated")
+            self.ranks = self.total * self.tensor_parallel("colocated")
         else:
-            self.ranks = deploy.num_prefill * self._tp("prefill")
-            self.ranks += deploy.num_decode * self._tp("decode")
+            self.ranks = deploy.num_prefill * self.tensor_parallel("prefill")
+            self.ranks += deploy.num_decode * self.tensor_parallel("decode")
         cluster_cpus = ray.cluster_resources().get("CPU", 1.0)
         # Ranks share cores when there are fewer than ranks (a laptop, a CI box); on a
         # cluster each takes a whole Ray CPU.
@@ -134,8 +136,11 @@ class WorkerSpawner:
         self._groups: dict[str, Any] = {}  # worker id -> its placement group (TP > 1)
         self.worker_ranks: dict[str, int] = {}  # worker id -> its tensor-parallel ranks
 
-    def _tp(self, pool: str) -> int:
+    def tensor_parallel(self, pool: str) -> int:
         return self.deploy.tensor_parallel(pool, self.engine.tensor_parallel_size)
+
+    def pools(self) -> list[str]:
+        return ["colocated"] if self.deploy.mode == "colocated" else ["prefill", "decode"]
 
     def initial_pools(self) -> tuple[dict[str, Any], dict[str, Any]]:
         if self.deploy.mode == "colocated":
@@ -155,7 +160,7 @@ class WorkerSpawner:
         index = self._next_index.get(pool, 0)
         self._next_index[pool] = index + 1
         worker_id = f"{pool}-{index}"
-        engine = replace(self.engine, tensor_parallel_size=self._tp(pool))
+        engine = replace(self.engine, tensor_parallel_size=self.tensor_parallel(pool))
         self.worker_ranks[worker_id] = engine.tensor_parallel_size
         args = (worker_id, engine, self.deploy.kv_transport, self.deploy.transfer_timeout)
         options = self._options(None if pool == "colocated" else pool)
@@ -244,14 +249,20 @@ class WorkerSpawner:
     def _check_memory(self) -> None:
         """On this machine every worker holds its own weights (twice on CPUs with AMX: the
         packed copy) and KV cache: the pools must fit in the memory available now."""
-        per_worker = worker_bytes(replace(self.engine, tensor_parallel_size=self._tp("decode")))
+        counts = {"prefill": self.deploy.num_prefill, "decode": self.deploy.num_decode}
+        if self.deploy.mode == "colocated":
+            counts = {"colocated": self.total}
+        needed = sum(
+            count
+            * worker_bytes(replace(self.engine, tensor_parallel_size=self.tensor_parallel(pool)))
+            for pool, count in counts.items()
+        )
         available = _available_memory()
-        if available is not None and per_worker * self.total > available:
+        if available is not None and needed > available:
             raise ConfigError(
-                f"{self.total} workers need about {per_worker * self.total / 2**30:.1f} GiB "
-                f"({per_worker / 2**30:.1f} GiB each: weights, KV cache, runtime) but this "
-                f"machine has {available / 2**30:.1f} GiB available: lower --prefill-workers / "
-                "--decode-workers or --kv-cache-memory"
+                f"{self.total} workers need about {needed / 2**30:.1f} GiB (weights, KV cache, "
+                f"runtime) but this machine has {available / 2**30:.1f} GiB available: lower "
+                "--prefill-workers / --decode-workers or --kv-cache-memory"
             )
 
     def _options(self, pool: str | None) -> dict[str, Any]:

@@ -189,3 +189,18 @@ def _max_model_len(raw: dict[str, Any], max_positions: int) -> int:
     if window and uses_window and window < max_positions:
         return int(window)
     return int(max_positions)
+
+
+def check_splits(cfg: ModelConfig, size: int) -> None:
+    """ConfigError unless the model splits `size` ways (heads, KV heads, MLP width)."""
+    if size < 1:
+        raise ConfigError("tensor_parallel_size must be at least 1")
+    problems = []
+    if cfg.num_heads % size:
+        problems.append(f"its {cfg.num_heads} attention heads")
+    if cfg.num_kv_heads % size and size % cfg.num_kv_heads:
+        problems.append(f"its {cfg.num_kv_heads} KV heads (nor is {size} a multiple of them)")
+    if cfg.intermediate_size % size:
+        problems.append(f"its MLP width {cfg.intermediate_size}")
+    if problems:
+        raise ConfigError(f"tensor parallel size {size} does not divide " + " or ".join(problems))

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from engine.config import ConfigError, ModelConfig
+from engine.config import ModelConfig, check_splits
 from protocol.kv import kv_head_range
 
 
@@ -57,20 +57,6 @@ def shard_for(cfg: ModelConfig, size: int, rank: int) -> TPShard:
         intermediate_size=cfg.intermediate_size // size,
         vocab_rows=-(-cfg.vocab_size // size),
     )
-
-
-def check_splits(cfg: ModelConfig, size: int) -> None:
-    if size < 1:
-        raise ConfigError("tensor_parallel_size must be at least 1")
-    problems = []
-    if cfg.num_heads % size:
-        problems.append(f"its {cfg.num_heads} attention heads")
-    if cfg.num_kv_heads % size and size % cfg.num_kv_heads:
-        problems.append(f"its {cfg.num_kv_heads} KV heads (nor is {size} a multiple of them)")
-    if cfg.intermediate_size % size:
-        problems.append(f"its MLP width {cfg.intermediate_size}")
-    if problems:
-        raise ConfigError(f"tensor parallel size {size} does not divide " + " or ".join(problems))
 
 
 def single(cfg: ModelConfig) -> TPShard:

@@ -134,6 +134,8 @@ class RankGroup:
         self._followers: list[socket.socket] = []
         self._replies: list[queue.SimpleQueue] = []
         self.on_event: EventHandler | None = None  # (rank, body), on a reader thread
+        self.on_lost: Callable[[int], None] | None = None  # (rank): its connection ended
+        self._closing = False
 
     def join(self, device: torch.device) -> dist.ProcessGroup:
         """The ranks' process group, once every follower has joined it."""
@@ -198,6 +200,7 @@ class RankGroup:
 
     def close(self) -> None:
         """Followers see their connection close and exit."""
+        self._closing = True
         for connection in self._followers:
             # shutdown first: it also wakes this side's reader thread (a plain close does not)
             with contextlib.suppress(OSError):
@@ -213,6 +216,8 @@ class RankGroup:
                 kind, body = _read(connection, patient=True)
             except (OSError, EOFError, ValueError):
                 replies.put((False, "the rank is gone"))
+                if not self._closing and self.on_lost is not None:
+                    self.on_lost(rank)
                 return
             if kind == "reply":
                 replies.put(body)

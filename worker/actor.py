@@ -9,6 +9,7 @@ other around the same engine, so a switch costs milliseconds, not a model load.
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import time
 from typing import Any
@@ -27,6 +28,7 @@ from protocol.stats import EngineHealth, WorkerStats
 from worker.ranks import ray_launcher
 
 ROLES = ("prefill", "decode")
+log = logging.getLogger(__name__)
 
 
 class RoleError(RuntimeError):
@@ -58,6 +60,8 @@ class WorkerActor:
                 raise ValueError("a tensor-parallel worker needs its placement group")
             launch = ray_launcher(*placement)
         self.engine = LLMEngine(config, launch)
+        if self.engine.runner.ranks is not None:
+            self.engine.runner.ranks.on_lost = self._rank_lost
         if isinstance(transport, str):
             transport = make_transport(transport, torch.device(config.device))
         if kv_fault is not None:
@@ -85,6 +89,12 @@ class WorkerActor:
     async def node_id(self) -> str:
         """The Ray node this worker landed on."""
         return ray.get_runtime_context().get_node_id()
+
+    def _rank_lost(self, rank: int) -> None:
+        """A tensor-parallel worker lives or dies as a whole: a lost rank ends this process
+        (even when idle, where no collective would notice), and the coordinator replaces it."""
+        log.error("worker %s lost tensor-parallel rank %d: exiting", self.worker_id, rank)
+        os._exit(1)
 
     async def pid(self) -> int:
         return os.getpid()

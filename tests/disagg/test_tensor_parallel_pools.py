@@ -1,6 +1,7 @@
 """Tensor-parallel workers on Ray: each follower rank an actor in its worker's placement group;
-greedy output equal to TP 1; a killed rank takes its worker down, its requests resume on the
-other worker, and the worker is replaced."""
+greedy output equal to TP 1, colocated and disaggregated across different layouts; a killed
+rank takes its worker down, its requests resume on the other worker, and the worker is
+replaced."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import signal
 from pathlib import Path
 
 import pytest
+import ray
 from ray.util.placement_group import placement_group_table
 
 from engine.config import ConfigError
@@ -67,6 +69,39 @@ def test_a_killed_rank_retires_its_worker_and_requests_resume(
     assert_all_blocks_free(loop, list(client.decode.values()))
 
 
-def test_disaggregated_tp_is_refused_clearly(tiny_llama, build_pool) -> None:
-    with pytest.raises(ConfigError, match="tensor-parallel workers is not built yet"):
-        build_pool(tiny_llama, num_prefill=1, num_decode=1, decode_tp=2)
+def test_disaggregated_prefill_tp_2_to_decode_tp_1_serves_the_tp_1_output(
+    tiny_llama, build_pool, loop, prompts, expected
+):
+    client = build_pool(
+        tiny_llama, num_prefill=1, num_decode=1, prefill_tp=2, decode_tp=1
+    )  # fmt: skip
+    outputs = loop.run(generate_all(client, prompts, lambda i, n: None), timeout=120)
+    assert outputs == expected
+    stats = ray.get(client.decode["decode-0"].stats.remote(), timeout=30)
+    assert stats.requests_prefilled_locally == 0  # every prompt's KV came over both routes
+    assert stats.kv_transfer_bytes > 0
+    assert_all_blocks_free(loop, list(client.decode.values()))
+
+
+def test_a_killed_prefill_rank_fails_over_to_the_other_prefill_worker(
+    tiny_llama, build_pool, loop, prompts, expected
+):
+    before = set(rank_pids())
+    client = build_pool(
+        tiny_llama, num_prefill=2, num_decode=1, prefill_tp=2, decode_tp=1
+    )  # fmt: skip
+    followers = sorted(set(rank_pids()) - before)
+    assert len(followers) == 2
+    outputs = run_and_kill(
+        loop, client, prompts, followers[0],
+        kill_when=lambda p: len(p) >= 1,
+        kill=lambda pid: os.kill(pid, signal.SIGKILL),
+    )  # fmt: skip
+    assert outputs == expected
+    assert wait_until(lambda: client.supervisor.restarts().get("prefill", 0) >= 1, 60)
+    assert_all_blocks_free(loop, list(client.decode.values()))
+
+
+def test_a_layout_that_does_not_split_is_refused_clearly(tiny_llama, build_pool) -> None:
+    with pytest.raises(ConfigError, match="does not divide"):
+        build_pool(tiny_llama, num_prefill=1, num_decode=1, prefill_tp=3)

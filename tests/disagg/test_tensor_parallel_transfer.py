@@ -17,6 +17,7 @@ from decode.worker import DecodeWorker
 from engine.config import EngineConfig
 from engine.engine import LLMEngine
 from engine.llm import LLM
+from engine.tensor_parallel import RemoteError
 from kvtransfer.transport import make_transport
 from prefill.worker import PrefillReport, PrefillWorker
 from protocol.kv import kv_routes
@@ -138,7 +139,7 @@ def test_a_decode_rank_killed_mid_transfer_fails_its_requests_and_frees_blocks(t
         rank.join(10)
         request = WorkRequest("doomed", list(range(3, 60)), GREEDY)
         started = time.monotonic()
-        with pytest.raises(Exception):  # the reservation cannot reach the dead rank
+        with pytest.raises(RemoteError):  # the reservation cannot reach the dead rank
             decode.reserve(request, prefill.worker_id, None, 2).result(TIMEOUT)
         assert time.monotonic() - started < 40
         assert decode.engine.blocks.num_free_blocks == free
