@@ -1,7 +1,8 @@
 """Tensor parallelism inside one engine: step times, output tok/s and the collectives' share.
 
     python benchmarks/tensor_parallel.py [--models overhead smollm2] [--batch 1 16] \
-        [--input-len 256] [--output-len 64] [--json results/tensor_parallel.json]
+        [--input-len 256] [--output-len 64] [--transfer-len 1536] \
+        [--json results/tensor_parallel.json]
 
 Per model, the engine runs at TP 1 and at each --sizes entry (overhead: 2; SmolLM2-135M, whose
 9 heads split only 3 ways: 3), in this one run so the ratios hold on a noisy machine. The
@@ -10,6 +11,12 @@ does. Rank 0's steps are timed by wrapping the runner, and the time inside the a
 the vocabulary all-gather is counted by wrapping its collectives: that includes waiting for the
 slowest rank. Served numbers for the same layouts: benchmarks/serving.py --targets colocated
 colocated-tp2.
+
+KV transfer between layouts (overhead model, in-process prefill and decode workers over gloo,
+follower ranks as local processes): one --transfer-len prompt at a time, per layout pair
+P1>D1, P2>D2 and P2>D1, in interleaved rounds. Reported: the decode side's transfer time (first
+payload to last done frame, the slowest rank's), the handoff (reservation to the request
+joining the decode batch: what TTFT pays beyond the prefill itself) and the bytes per route.
 """
 
 from __future__ import annotations
@@ -41,10 +48,10 @@ class StepClock:
             setattr(comm, name, self._timed_collective(getattr(comm, name)))
         execute = runner.execute
 
-        def timed_execute(plan, on_layer=None):
+        def timed_execute(plan, on_layer=None, extra=None):
             self._collective = 0.0
             start = time.perf_counter()
-            logits = execute(plan, on_layer)
+            logits = execute(plan, on_layer, extra)
             rows = sum(chunk.num_tokens for chunk in plan.chunks)
             self.steps.append((rows, time.perf_counter() - start, self._collective))
             return logits
@@ -107,6 +114,86 @@ def _row(size: int, batch: int, outputs, seconds: float, steps) -> dict:
     }
 
 
+TRANSFER_LAYOUTS = ((1, 1), (2, 2), (2, 1))
+
+
+def transfer_layouts(folder: Path, args: argparse.Namespace) -> list[dict]:
+    """Per layout pair: median transfer and handoff seconds, and bytes per route."""
+    import torch
+
+    from decode.worker import DecodeWorker
+    from engine.config import EngineConfig
+    from engine.engine import LLMEngine
+    from kvtransfer.transport import make_transport
+    from prefill.worker import PrefillWorker
+    from protocol.messages import WorkRequest
+    from protocol.sampling import SamplingParams
+    from worker.rank_roles import spawn_with_roles
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # every rank a core's share, as `tandem serve` gives them
+    pairs, samples = {}, {layout: [] for layout in TRANSFER_LAYOUTS}
+    transport = make_transport("gloo", torch.device("cpu"))
+    for p_tp, d_tp in TRANSFER_LAYOUTS:
+
+        def engine(size: int) -> LLMEngine:
+            config = EngineConfig(
+                folder, dtype=args.dtype, tensor_parallel_size=size, enable_prefix_caching=False,
+                max_num_batched_tokens=args.transfer_len, max_model_len=args.transfer_len + 8,
+            )  # fmt: skip
+            return LLMEngine(config, spawn_with_roles)
+
+        prefill = PrefillWorker(f"p{p_tp}", engine(p_tp), transport, 60)
+        decode = DecodeWorker(f"d{d_tp}", engine(d_tp), transport, 60)
+        pairs[(p_tp, d_tp)] = (prefill, decode)
+    params = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
+    rng = random.Random(1)
+    try:
+        for round_ in range(args.rounds + 1):  # round 0 warms up every pair
+            for layout, (prefill, decode) in pairs.items():
+                prompt = [rng.randrange(1000, 20000) for _ in range(args.transfer_len)]
+                request = WorkRequest(f"t{round_}-{layout}", prompt, params)
+                seconds_before = decode.transfers.seconds.total
+                start = time.perf_counter()
+                ticket = decode.reserve(request, prefill.worker_id, None, layout[0]).result(60)
+                prefill.submit(request, ticket, lambda *_: None)
+                while not any(u.request_id == request.request_id
+                              for u in decode.take_updates(timeout=60)):  # fmt: skip
+                    pass
+                handoff = time.perf_counter() - start
+                transfer = decode.transfers.seconds.total - seconds_before
+                if round_:
+                    samples[layout].append((transfer, handoff))
+        rows = []
+        for layout, (_, decode) in pairs.items():
+            transfers, handoffs = zip(*samples[layout], strict=True)
+            rows.append({
+                "layout": f"P{layout[0]}>D{layout[1]}",
+                "transfer_ms": 1000 * statistics.median(transfers),
+                "handoff_ms": 1000 * statistics.median(handoffs),
+                "route_bytes": dict(decode.route_bytes),
+            })  # fmt: skip
+        return rows
+    finally:
+        for prefill, decode in pairs.values():
+            for worker in (prefill, decode):
+                worker.shutdown()
+                worker.engine.close()
+        torch.set_num_threads(threads)
+
+
+def format_transfers(rows: list[dict]) -> str:
+    base = rows[0]["transfer_ms"]
+    lines = ["layout | transfer ms | vs P1>D1 | handoff ms | bytes per route"]
+    for r in rows:
+        routes = ", ".join(f"{k}: {v / 2**20:.1f} MiB" for k, v in sorted(r["route_bytes"].items()))
+        lines.append(
+            f"{r['layout']} | {r['transfer_ms']:.1f} | {r['transfer_ms'] / base:.2f}x | "
+            f"{r['handoff_ms']:.1f} | {routes}"
+        )
+    return "\n".join(lines)
+
+
 def model_folder(name: str, work: Path) -> Path:
     from benchmarks.serving import write_overhead_model
     from engine.fetch import fetch_default_model
@@ -143,9 +230,12 @@ def main() -> int:
     p.add_argument("--input-len", type=int, default=256)
     p.add_argument("--output-len", type=int, default=64)
     p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--transfer-len", type=int, default=1536, help="0: skip the transfer table")
+    p.add_argument("--rounds", type=int, default=5, help="transfer rounds per layout pair")
     p.add_argument("--json", type=Path)
     args = p.parse_args()
     results: dict[str, list[dict]] = {}
+    transfers: list[dict] = []
     with tempfile.TemporaryDirectory() as tmp:
         for name in args.models:
             folder = model_folder(name, Path(tmp))
@@ -153,11 +243,18 @@ def main() -> int:
             for size in SIZES[name]:
                 print(f"--- {name} TP {size}", file=sys.stderr, flush=True)
                 results[name] += run_size(folder, size, args)
+        if args.transfer_len:
+            print("--- KV transfer between layouts", file=sys.stderr, flush=True)
+            transfers = transfer_layouts(model_folder("overhead", Path(tmp)), args)
     print(format_table(results))
+    if transfers:
+        print()
+        print(format_transfers(transfers))
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps({"config": vars(args) | {"json": str(args.json)},
-                                         "results": results}, indent=2))  # fmt: skip
+                                         "results": results, "transfers": transfers},
+                                        indent=2))  # fmt: skip
     return 0
 
 

@@ -237,7 +237,7 @@ class KVReceiver:
         torch.set_num_threads(1)
         channel, posted = None, None
         try:
-            channel = self.transport.accept(self.rendezvous.store, key, self.timeout)
+            channel = self.transport.accept(self.rendezvous.client(), key, self.timeout)
             posted = PostedFrame(channel)
             spare = StagingBuffers()
             while True:

@@ -73,6 +73,17 @@ class Rendezvous:
             self.store = TCPStore(joining.host, joining.port, is_master=False, timeout=timeout)
         self.endpoint = Endpoint(joining.host if joining else host, self.store.port)
 
+    def client(self) -> TCPStore:
+        """A connection of its own to the store. A channel waiting for a peer blocks its store
+        client until the peer comes (or the timeout), so concurrent accepts each need one:
+        sharing one, a dead peer's pending accept would hold up every new channel."""
+        return TCPStore(
+            self.endpoint.host,
+            self.endpoint.port,
+            is_master=False,
+            timeout=datetime.timedelta(seconds=30),
+        )
+
 
 TRANSPORTS: dict[str, Callable[[torch.device], Transport]] = {}
 
