@@ -135,6 +135,7 @@ class RankGroup:
         self._replies: list[queue.SimpleQueue] = []
         self.on_event: EventHandler | None = None  # (rank, body), on a reader thread
         self.on_lost: Callable[[int], None] | None = None  # (rank): its connection ended
+        self._lost: set[int] = set()
         self._closing = False
 
     def join(self, device: torch.device) -> dist.ProcessGroup:
@@ -183,6 +184,8 @@ class RankGroup:
         """Every follower's hooks answer `request` (in rank order). Raises RemoteError when
         one's hooks raise, TimeoutError past the rank deadline, OSError when one is gone.
         One caller at a time (the engine thread)."""
+        if self._lost:  # at once: no waiting out the deadline for a rank that cannot answer
+            raise RemoteError(f"tensor-parallel rank(s) {sorted(self._lost)} gone")
         message = frame(["call", request])
         for connection in self._followers:
             connection.sendall(message)
@@ -215,6 +218,7 @@ class RankGroup:
             try:
                 kind, body = _read(connection, patient=True)
             except (OSError, EOFError, ValueError):
+                self._lost.add(rank)
                 replies.put((False, "the rank is gone"))
                 if not self._closing and self.on_lost is not None:
                     self.on_lost(rank)

@@ -5,12 +5,13 @@
         after layer l of a step: pack each request's new K/V of layer l -> KVSender (own thread)
         after the last chunk: sample the next token -> done frames -> PrefillReport to the caller
 
+    The request's blocks are freed as soon as its step ends (the packed buffers own the bytes);
+    its full blocks stay in this worker's prefix cache.
+
 Tensor parallel: this is rank 0. Each step's chunks also go to the follower ranks with the
 batch; each sends the routes from its own rank (worker/rank_roles.py), and this rank only
 those from rank 0. The report waits for this rank's legs; a follower's failed leg fails the
 transfer on the decode side.
-    The request's blocks are freed as soon as its step ends (the packed buffers own the bytes);
-    its full blocks stay in this worker's prefix cache.
 
 Threads: the engine thread owns the engine and every field below; the sender thread reports a
 finished transfer by submitting `_transfer_finished` to the engine thread, never by touching

@@ -141,7 +141,7 @@ def test_a_decode_rank_killed_mid_transfer_fails_its_requests_and_frees_blocks(t
         started = time.monotonic()
         with pytest.raises(RemoteError):  # the reservation cannot reach the dead rank
             decode.reserve(request, prefill.worker_id, None, 2).result(TIMEOUT)
-        assert time.monotonic() - started < 40
+        assert time.monotonic() - started < 10  # a lost rank answers no call: no deadline waited
         assert decode.engine.blocks.num_free_blocks == free
     finally:
         stop(prefill, decode)
