@@ -148,7 +148,6 @@ class KVReceiver:
         self._serving: set[str] = set()  # channel keys with a receiver thread
         self._generation = itertools.count()
         self.bytes_received = 0
-        self.route_bytes: dict[str, int] = {}  # "src>dst" -> bytes received, all requests
         self.stale_frames = 0  # payloads and frames of attempts no longer expected, dropped
         # Receives still posted on channels that broke: a transport may write into their
         # buffers after the receiver gave up (UCX does), so the buffers must outlive the
@@ -334,8 +333,6 @@ class KVReceiver:
             state.bytes_received += nbytes
             expected.bytes_received += nbytes
             self.bytes_received += nbytes
-            label = f"{leg.route.src}>{leg.route.dst}"
-            self.route_bytes[label] = self.route_bytes.get(label, 0) + nbytes
         expected.first_frame = expected.first_frame or time.monotonic()
 
     def _finish(self, frame: DoneFrame | AbortFrame, expected: _Expected) -> None:
