@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from kernels.threads import use_threads
 from protocol.stats import EngineHealth, StepTimer
 
 log = logging.getLogger(__name__)
@@ -74,7 +75,7 @@ class EngineThread:
         self._fail_pending(RuntimeError("engine thread stopped"))
 
     def _run(self) -> None:
-        torch.set_num_threads(self._num_threads)
+        use_threads(self._num_threads)
         try:
             while not self._stop.is_set():
                 self._last_turn = time.monotonic()

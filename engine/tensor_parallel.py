@@ -51,6 +51,7 @@ from torch.distributed import TCPStore
 
 from engine.config import EngineConfig
 from engine.model import LayerHook
+from kernels.threads import use_threads
 from protocol.kv import Endpoint
 from protocol.wire import HEADER, frame, frame_length
 
@@ -250,7 +251,7 @@ def follow(spec: FollowerSpec) -> None:
     its connection closes. Any error ends it (and, through the collectives, the step)."""
     from engine.runner import ModelRunner  # the runner imports this module
 
-    torch.set_num_threads(spec.num_threads)
+    use_threads(spec.num_threads)
     store = TCPStore(
         spec.store.host, spec.store.port, is_master=False, timeout=_delta(spec.timeout)
     )

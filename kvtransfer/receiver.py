@@ -36,6 +36,7 @@ from typing import NamedTuple
 import torch
 
 from kernels import ops
+from kernels.threads import use_threads
 from kvtransfer.integrity import DIGEST_START, fold, payload_sum
 from kvtransfer.transport import Channel, Rendezvous, TransferError, Transport
 from kvtransfer.wire import AbortFrame, DoneFrame, PostedFrame, StepFrame
@@ -233,7 +234,7 @@ class KVReceiver:
         key = leg.key
         # Unpacking is a small memory-bound copy: one thread, or it fights the engine thread
         # for cores (a fresh thread would otherwise use them all).
-        torch.set_num_threads(1)
+        use_threads(1)
         channel, posted = None, None
         try:
             channel = self.transport.accept(self.rendezvous.client(), key, self.timeout)

@@ -20,6 +20,7 @@ import torch
 from decode.worker import DecodeWorker
 from engine.config import EngineConfig
 from engine.engine import LLMEngine
+from kernels.threads import use_threads
 from kvtransfer.transport import Transport, make_transport
 from prefill.worker import PrefillReport, PrefillWorker
 from protocol.kv import Endpoint, Ticket
@@ -49,7 +50,7 @@ class WorkerActor:
         kv_fault: str | None = None,  # tests only: see kvtransfer/faults.py
         placement: tuple[Any, dict[str, float]] | None = None,  # TP: group, bundle resources
     ) -> None:
-        torch.set_num_threads(num_threads)
+        use_threads(num_threads)
         self.worker_id = worker_id
         self.transfer_timeout = transfer_timeout
         self.verify_kv = verify_kv

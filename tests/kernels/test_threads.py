@@ -1,0 +1,72 @@
+"""A thread's torch thread count survives other threads setting theirs (kernels/threads.py)."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import torch
+
+from engine.engine_thread import EngineThread
+from kernels.threads import use_threads
+
+
+def _counts_after_other_thread_sets_one(set_count) -> int:
+    """A fresh thread sets 2, another thread then sets 1, and only then does the first run
+    its first parallel op: the count that op's thread ends up with."""
+    counted, ready, other_done = [], threading.Event(), threading.Event()
+
+    def first() -> None:
+        set_count(2)
+        ready.set()
+        other_done.wait(10)
+        torch.ones(64, 64).exp()  # the thread's first parallel op
+        counted.append(torch.get_num_threads())
+
+    def other() -> None:
+        ready.wait(10)
+        torch.set_num_threads(1)
+        other_done.set()
+
+    threads = [threading.Thread(target=first), threading.Thread(target=other)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(10)
+    return counted[0]
+
+
+def test_plain_set_num_threads_is_overridden_by_another_thread():
+    # The behaviour use_threads exists for: if this starts failing, torch changed it.
+    assert _counts_after_other_thread_sets_one(torch.set_num_threads) == 1
+
+
+def test_use_threads_keeps_its_count():
+    assert _counts_after_other_thread_sets_one(use_threads) == 2
+
+
+def test_engine_thread_keeps_its_creators_count_when_a_receiver_sets_one():
+    """The decode worker's bug: its KV receiver threads (one thread each) started before the
+    engine thread's first step, and the engine then stepped on one core."""
+    seen: list[int] = []
+    receiver_set = threading.Event()
+    previous = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        engine = EngineThread(
+            "test-engine",
+            step=lambda: seen.append((torch.ones(64, 64).exp(), torch.get_num_threads())[1]),
+            has_work=lambda: receiver_set.is_set() and not seen,
+            on_crash=lambda err: None,
+        )
+        receiver = threading.Thread(target=lambda: (use_threads(1), receiver_set.set()))
+        receiver.start()
+        receiver.join(10)
+        for _ in range(200):  # 10 s at most
+            if seen:
+                break
+            time.sleep(0.05)
+        engine.stop()
+    finally:
+        torch.set_num_threads(previous)
+    assert seen == [2]
