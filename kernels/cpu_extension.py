@@ -61,6 +61,11 @@ def load() -> ModuleType | None:
         return None
 
 
+def loaded() -> ModuleType | None:
+    """The module if `load()` has already run and succeeded; never starts a build."""
+    return load() if load.cache_info().currsize else None
+
+
 def _build() -> ModuleType:
     """Builds (or loads the cached build) from copies of the sources in the build directory,
     so every checkout of the same code uses the same paths and shares one build.

@@ -16,7 +16,12 @@ torch::Tensor amx_pack_weight(torch::Tensor weight);
 torch::Tensor amx_linear(torch::Tensor x, torch::Tensor packed, int64_t n,
                          c10::optional<torch::Tensor> bias);
 
+// at::parallel_for initialises each thread lazily, on its first call, from the count any thread
+// set last; this module is built apart from libtorch, so it keeps its own per-thread flag.
+void init_threads() { at::internal::lazy_init_num_threads(); }
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("init_threads", &init_threads, "this module's per-thread set-up of at::parallel_for");
   m.def("decode_attention", &decode_attention, "paged decode attention over the KV cache");
   m.def("rms_norm", &rms_norm, "RMSNorm of each row");
   m.def("add_rms_norm", &add_rms_norm, "(RMSNorm of x + residual, x + residual), one pass");

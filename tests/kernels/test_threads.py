@@ -5,13 +5,15 @@ from __future__ import annotations
 import threading
 import time
 
+import pytest
 import torch
 
 from engine.engine_thread import EngineThread
+from kernels import cpu_extension
 from kernels.threads import use_threads
 
 
-def _counts_after_other_thread_sets_one(set_count) -> int:
+def _counts_after_other_thread_sets_one(set_count, first_op) -> int:
     """A fresh thread sets 2, another thread then sets 1, and only then does the first run
     its first parallel op: the count that op's thread ends up with."""
     counted, ready, other_done = [], threading.Event(), threading.Event()
@@ -20,7 +22,7 @@ def _counts_after_other_thread_sets_one(set_count) -> int:
         set_count(2)
         ready.set()
         other_done.wait(10)
-        torch.ones(64, 64).exp()  # the thread's first parallel op
+        first_op()
         counted.append(torch.get_num_threads())
 
     def other() -> None:
@@ -36,13 +38,26 @@ def _counts_after_other_thread_sets_one(set_count) -> int:
     return counted[0]
 
 
-def test_plain_set_num_threads_is_overridden_by_another_thread():
+def _torch_op() -> None:
+    torch.ones(64, 64).exp()
+
+
+def _native_op() -> None:  # at::parallel_for inside our C++ kernels, a library of its own
+    native = cpu_extension.load()
+    assert native is not None, "these tests need the C++ kernels"
+    native.silu_and_mul(torch.ones(64, 128, dtype=torch.bfloat16))
+
+
+@pytest.mark.parametrize("first_op", [_torch_op, _native_op])
+def test_plain_set_num_threads_is_overridden_by_another_thread(first_op):
     # The behaviour use_threads exists for: if this starts failing, torch changed it.
-    assert _counts_after_other_thread_sets_one(torch.set_num_threads) == 1
+    assert _counts_after_other_thread_sets_one(torch.set_num_threads, first_op) == 1
 
 
-def test_use_threads_keeps_its_count():
-    assert _counts_after_other_thread_sets_one(use_threads) == 2
+@pytest.mark.parametrize("first_op", [_torch_op, _native_op])
+def test_use_threads_keeps_its_count(first_op):
+    cpu_extension.load()  # loaded before any engine thread starts, as the model runner does
+    assert _counts_after_other_thread_sets_one(use_threads, first_op) == 2
 
 
 def test_engine_thread_keeps_its_creators_count_when_a_receiver_sets_one():
@@ -51,11 +66,12 @@ def test_engine_thread_keeps_its_creators_count_when_a_receiver_sets_one():
     seen: list[int] = []
     receiver_set = threading.Event()
     previous = torch.get_num_threads()
+    cpu_extension.load()
     try:
         torch.set_num_threads(2)
         engine = EngineThread(
             "test-engine",
-            step=lambda: seen.append((torch.ones(64, 64).exp(), torch.get_num_threads())[1]),
+            step=lambda: seen.append((_native_op(), torch.get_num_threads())[1]),
             has_work=lambda: receiver_set.is_set() and not seen,
             on_crash=lambda err: None,
         )
