@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 from cli.defaults import default_of
 from cli.errors import CliError
 from coordinator.api.settings import ServerSettings
-from coordinator.deploy import MODES, DeployConfig
+from coordinator.deploy import MODES, ROUTING_POLICIES, DeployConfig
 from engine.config import EngineConfig
 from kvtransfer.names import TRANSPORT_NAMES
 from loadtest.cli import DefaultsFormatter
@@ -193,7 +193,15 @@ def _add_cluster_flags(g: argparse._ArgumentGroup) -> None:
         type=int,
         default=deploy("local_prefill_threshold"),
         metavar="TOKENS",
-        help="prompts with fewer uncached tokens are prefilled on the decode worker; 0: never",
+        help="with --routing load: prompts with fewer uncached tokens are prefilled on the "
+        "decode worker; 0: never",
+    )
+    g.add_argument(
+        "--routing",
+        default=deploy("routing"),
+        choices=ROUTING_POLICIES,
+        help="cost: cheapest predicted prefill work, using each worker's reported prefix cache; "
+        "load: least loaded workers; round-robin",
     )
     g.add_argument(
         "--kv-transport",
@@ -329,6 +337,7 @@ def deploy_config(args: argparse.Namespace) -> DeployConfig:
         transfer_timeout=args.kv_transfer_timeout,
         kv_checksum=args.kv_checksum,
         local_prefill_threshold=args.local_prefill_threshold,
+        routing=args.routing,
         placement_timeout=args.placement_timeout,
         threads_per_worker=args.threads_per_worker,
         model_name=args.served_model_name,

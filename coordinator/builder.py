@@ -102,6 +102,7 @@ def build_client(engine: EngineConfig, deploy: DeployConfig) -> Coordinator:
         config=CoordinatorConfig(
             block_size=engine.block_size,
             local_prefill_threshold=deploy.local_prefill_threshold,
+            routing=deploy.routing,
             placement_timeout=deploy.placement_timeout,
             # Decode workers connect back to this process with their token updates.
             update_host="127.0.0.1" if deploy.address is None else ray.util.get_node_ip_address(),

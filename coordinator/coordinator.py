@@ -28,8 +28,9 @@ from typing import Any
 from ray.exceptions import RayActorError
 
 from coordinator.request_state import TrackedRequest
-from coordinator.router import NoWorkerError, Route, Router
+from coordinator.router import NoWorkerError, Route, RouteCosts, Router
 from coordinator.supervisor import Spawn, Supervisor, SupervisorConfig, WorkerEntry
+from coordinator.telemetry import TelemetryStore
 from coordinator.update_server import UpdateServer
 from engine.outputs import RequestOutput, read_stream
 from engine.tokenizer import Tokenizer
@@ -38,6 +39,7 @@ from protocol.limits import ModelLimits
 from protocol.messages import PrefillResult, RequestFailed, WorkerUpdate, WorkRequest
 from protocol.sampling import SamplingParams
 from protocol.stats import HANDOVER_BUCKETS, Histogram, PoolWorker, WorkerStats
+from protocol.telemetry import Telemetry
 
 log = logging.getLogger(__name__)
 MAX_ATTEMPTS = 4
@@ -50,7 +52,9 @@ START_TIMEOUT = 600.0  # model loading on a cold node
 @dataclass(frozen=True)
 class CoordinatorConfig:
     block_size: int
-    local_prefill_threshold: int = 0  # tokens; 0 = always prefill remotely
+    local_prefill_threshold: int = 0  # tokens; 0 = always prefill remotely ("load" routing)
+    routing: str = "load"  # coordinator/router.py: "cost" | "load" | "round-robin"
+    route_costs: RouteCosts = RouteCosts()
     call_timeout: float = 30.0  # any control call (reserve, abort, stats), on top of a poll
     prefill_base_timeout: float = 30.0  # queueing + prefill + transfer of one request ...
     prefill_seconds_per_token: float = 0.02  # ... plus this per prompt token
@@ -91,7 +95,12 @@ class Coordinator:
         self.decode = dict(decode)
         self.config = config
         self.router = Router(
-            list(prefill), list(decode), config.block_size, config.local_prefill_threshold
+            list(prefill),
+            list(decode),
+            config.block_size,
+            config.local_prefill_threshold,
+            config.routing,
+            config.route_costs,
         )
         self.supervisor = Supervisor(
             spawn,
@@ -107,6 +116,7 @@ class Coordinator:
             self.supervisor.add(decode_pool, worker_id, handle)
         self._requests: dict[str, TrackedRequest] = {}  # by worker request id
         self._stats: dict[str, WorkerStats] = {}
+        self.telemetry = TelemetryStore()
         self.handover = Histogram(HANDOVER_BUCKETS)  # seconds: see _attempt
         self._tasks: set[asyncio.Task] = set()
         self.updates = UpdateServer(config.update_host)
@@ -171,6 +181,9 @@ class Coordinator:
 
     def stats(self) -> list[WorkerStats]:
         return list(self._stats.values())
+
+    def recent_steps(self, worker_id: str | None = None, limit: int | None = None) -> dict:
+        return self.telemetry.recent(worker_id, limit)
 
     # -- pools (the admin API) -------------------------------------------------------------
 
@@ -430,6 +443,7 @@ class Coordinator:
             self.decode.pop(entry.worker_id, None)
         self._unfollow(entry.worker_id)
         self._stats.pop(entry.worker_id, None)
+        self.telemetry.forget(entry.worker_id)  # back in a pool, it re-sends its whole cache
         for request in list(self._requests.values()):
             route = request.route
             if route is not None and entry.worker_id in (route.decode_id, route.prefill_id):
@@ -456,7 +470,24 @@ class Coordinator:
     async def _refresh_stats(self) -> None:
         while True:
             await asyncio.sleep(STATS_SECONDS)
-            await self._refresh_once()
+            await asyncio.gather(self._refresh_once(), self._refresh_telemetry())
+
+    async def _refresh_telemetry(self) -> None:
+        """Each worker's step records and prefix-cache events since the last reply (a lost
+        reply is asked for again next time: the cursors only move on an answer)."""
+        workers = {**self.prefill, **self.decode}
+        alive = [w for w in workers if self.router.is_alive(w)]
+        replies = await asyncio.gather(
+            *(
+                self._call(workers[w].telemetry, *self.telemetry.cursor(w), timeout=STATS_TIMEOUT)
+                for w in alive
+            ),
+            return_exceptions=True,
+        )
+        for worker_id, reply in zip(alive, replies, strict=True):
+            if isinstance(reply, Telemetry):
+                report = self.telemetry.apply(worker_id, reply)
+                self.router.cache_changed(worker_id, *report)
 
     async def _refresh_once(self) -> None:
         """Each worker answers under its own deadline: a slow one keeps its last report,
@@ -470,7 +501,7 @@ class Coordinator:
         for worker_id, result in zip(alive, results, strict=True):
             if isinstance(result, WorkerStats):
                 self._stats[worker_id] = result
-                self.router.observe(worker_id, result.num_free_blocks)
+                self.router.observe(worker_id, result.num_free_blocks, result.queued_prefill_tokens)
             elif worker_id in self._stats:
                 self._stats[worker_id] = replace(self._stats[worker_id], stale=True)
             if isinstance(result, RayActorError):

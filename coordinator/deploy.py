@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from coordinator.router import POLICIES as ROUTING_POLICIES
 from engine.config import ConfigError
 
 MODES = ("disaggregated", "colocated")
@@ -21,6 +22,7 @@ class DeployConfig:
     kv_checksum: bool = True  # decode workers check a digest of every transfer's KV
     kv_fault: str | None = None  # tests only: every worker's KV sends misbehave (kvtransfer/faults)
     local_prefill_threshold: int = 0  # tokens; shorter uncached prompts prefill on decode
+    routing: str = "load"  # coordinator/router.py POLICIES
     threads_per_worker: int | None = None  # CPU only; default: cores / workers
     placement_timeout: float = 30.0  # seconds Ray may take to place each worker's process
     model_name: str | None = None  # served id; default: the model folder's name
@@ -28,6 +30,10 @@ class DeployConfig:
     decode_tp: int | None = None  # ranks per decode (or colocated) worker; default: the engine's
 
     def __post_init__(self) -> None:
+        if self.routing not in ROUTING_POLICIES:
+            raise ConfigError(
+                f"routing must be one of {', '.join(ROUTING_POLICIES)}, not {self.routing!r}"
+            )
         if self.mode not in MODES:
             raise ConfigError(f"mode must be one of {', '.join(MODES)}, not {self.mode!r}")
         if self.num_decode < 1 or self.num_prefill < (self.mode == "disaggregated"):

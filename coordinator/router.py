@@ -1,10 +1,23 @@
 """Router: picks the workers for a request. Pure Python on counts and hashes (no torch, no Ray).
 
-Decode worker: fewest running requests, then most free KV blocks, then the longest prefix of the
-prompt it has seen before (its prefix cache likely still holds it). Prefill worker: fewest queued
-prompt tokens (in coarse buckets, so near-equal loads count as equal), then prefix overlap.
-A prompt with fewer than `local_prefill_threshold` tokens that the chosen decode worker does not
-already hold is prefilled on that decode worker (0: never).
+What each worker's prefix cache holds comes from the worker itself: it reports every block hash
+entering or leaving its cache (protocol/telemetry.py), and the coordinator applies those to
+`WorkerLoad.cached` (`Router.cache_changed`). A placement also counts its prompt as held by the
+worker that prefills it, at once, until that worker's own report arrives.
+
+Three policies (`--routing`):
+
+- "cost": every candidate route is priced in seconds of prefill work and the cheapest
+  taken. Prefill on worker P costs P's queued prompt tokens plus the prompt tokens P does not hold
+  in cache; prefill on the decode worker D itself costs D's uncached tokens, and as long again for
+  each request running on D (their next tokens wait for it). Adding the request to D costs
+  `decode_seq_seconds` per request already running there. So a prompt D mostly holds is
+  prefilled where it is cached, and a busy prefill pool sends short prompts to decode workers.
+- "load" (the default until cost routing is the measured better one): decode worker with the
+  fewest running requests, then most free KV blocks, then the longest cached prefix; prefill
+  worker with the fewest queued prompt tokens (coarse buckets), then prefix overlap; prompts
+  under `local_threshold` uncached tokens prefill on decode.
+- "round-robin": each pool in turn, for comparison.
 """
 
 from __future__ import annotations
@@ -15,7 +28,18 @@ from dataclasses import dataclass, field
 from engine.block_manager import block_hash
 
 PREFILL_LOAD_BUCKET = 256  # queued tokens
-REMEMBERED_PREFIXES = 4096  # block hashes remembered per worker
+REMEMBERED_PREFIXES = 4096  # hashes of recent placements per worker, until its reports come
+POLICIES = ("cost", "load", "round-robin")
+
+
+@dataclass(frozen=True)
+class RouteCosts:
+    """Seconds per unit of work, for the "cost" policy. Defaults: SmolLM2-135M on one core of
+    the development machine (a 100-token prompt takes ~60 ms; each running request adds ~0.6 ms
+    to a decode step); `tandem profile` measures them for a model and machine."""
+
+    prefill_token_seconds: float = 0.0006
+    decode_seq_seconds: float = 0.0006
 
 
 @dataclass
@@ -26,13 +50,15 @@ class WorkerLoad:
     free_blocks: int = 0  # from the worker's last stats report
     alive: bool = True
     accepting: bool = True  # False while draining: alive, finishing its work, gets none new
-    prefixes: OrderedDict[int, None] = field(default_factory=OrderedDict)
+    reported_queue: int = 0  # prompt tokens waiting in its engine, from its last stats report
+    cached: set[int] = field(default_factory=set)  # block hashes its prefix cache reported
+    prefixes: OrderedDict[int, None] = field(default_factory=OrderedDict)  # recent placements
 
     def overlap(self, hashes: list[int]) -> int:
-        """How many leading blocks of the prompt this worker has seen."""
+        """How many leading blocks of the prompt this worker holds (or was just sent)."""
         count = 0
         for digest in hashes:
-            if digest not in self.prefixes:
+            if digest not in self.cached and digest not in self.prefixes:
                 break
             count += 1
         return count
@@ -66,12 +92,23 @@ class Route:
 
 class Router:
     def __init__(
-        self, prefill_ids: list[str], decode_ids: list[str], block_size: int, local_threshold: int
+        self,
+        prefill_ids: list[str],
+        decode_ids: list[str],
+        block_size: int,
+        local_threshold: int,
+        policy: str = "load",
+        costs: RouteCosts | None = None,
     ) -> None:
+        if policy not in POLICIES:
+            raise ValueError(f"routing policy must be one of {POLICIES}, not {policy!r}")
         self.prefill = {w: WorkerLoad(w) for w in prefill_ids}
         self.decode = {w: WorkerLoad(w) for w in decode_ids}
         self.block_size = block_size
         self.local_threshold = local_threshold
+        self.policy = policy
+        self.costs = costs or RouteCosts()
+        self._turns = {"prefill": 0, "decode": 0}  # round-robin positions
 
     def route(
         self, token_ids: list[int], avoid: frozenset[str] = frozenset(), local: bool = False
@@ -80,12 +117,17 @@ class Router:
         Workers in `avoid` (those that just failed this request) are chosen only when no
         other worker of their pool can take it. `local`: the decode worker prefills it."""
         hashes = prefix_hashes(token_ids, self.block_size)
-        decode = min(
-            _preferred(_open(self.decode, "decode"), avoid),
-            key=lambda w: (w.running, -w.free_blocks, -w.overlap(hashes)),
-        )
-        uncached = len(token_ids) - decode.overlap(hashes) * self.block_size
+        decodes = _preferred(_open(self.decode, "decode"), avoid)
         prefills = _preferred([w for w in self.prefill.values() if w.alive and w.accepting], avoid)
+        if self.policy == "cost":
+            return self._cheapest(len(token_ids), hashes, decodes, [] if local else prefills)
+        if self.policy == "round-robin":
+            decode = self._next_turn("decode", decodes)
+            if local or not prefills:
+                return Route(decode.worker_id, None)
+            return Route(decode.worker_id, self._next_turn("prefill", prefills).worker_id)
+        decode = min(decodes, key=lambda w: (w.running, -w.free_blocks, -w.overlap(hashes)))
+        uncached = len(token_ids) - decode.overlap(hashes) * self.block_size
         if local or not prefills or uncached < self.local_threshold:
             return Route(decode.worker_id, None)
         prefill = min(
@@ -93,11 +135,67 @@ class Router:
         )
         return Route(decode.worker_id, prefill.worker_id)
 
+    def _cheapest(
+        self,
+        num_tokens: int,
+        hashes: list[int],
+        decodes: list[WorkerLoad],
+        prefills: list[WorkerLoad],
+    ) -> Route:
+        """The route of least predicted work (seconds): see the module docstring."""
+        per_token, per_seq = self.costs.prefill_token_seconds, self.costs.decode_seq_seconds
+        best_prefill = None
+        if prefills:
+            best_prefill = min(
+                prefills,
+                key=lambda w: (w.queued_tokens + self._uncached(w, num_tokens, hashes), w.running),
+            )
+            remote = per_token * (
+                best_prefill.queued_tokens + self._uncached(best_prefill, num_tokens, hashes)
+            )
+        options = []
+        for decode in decodes:
+            base = per_seq * decode.running
+            uncached = self._uncached(decode, num_tokens, hashes)
+            local = per_token * (decode.reported_queue + uncached * (1 + decode.running))
+            options.append((base + local, -decode.free_blocks, decode.worker_id, None))
+            if best_prefill is not None:
+                options.append(
+                    (base + remote, -decode.free_blocks, decode.worker_id, best_prefill.worker_id)
+                )
+        _, _, decode_id, prefill_id = min(options, key=lambda o: (o[0], o[1], o[3] is None))
+        return Route(decode_id, prefill_id)
+
+    def _uncached(self, worker: WorkerLoad, num_tokens: int, hashes: list[int]) -> int:
+        return max(0, num_tokens - worker.overlap(hashes) * self.block_size)
+
+    def _next_turn(self, pool: str, workers: list[WorkerLoad]) -> WorkerLoad:
+        ordered = sorted(workers, key=lambda w: w.worker_id)
+        turn = self._turns[pool] % len(ordered)
+        self._turns[pool] += 1
+        return ordered[turn]
+
+    def cache_changed(
+        self, worker_id: str, stored: list[int], evicted: list[int], snapshot: bool = False
+    ) -> None:
+        """Applies a worker's prefix-cache report; `snapshot`: `stored` is all it holds."""
+        load = self.decode.get(worker_id) or self.prefill.get(worker_id)
+        if load is None:
+            return
+        if snapshot:
+            load.cached = set(stored)
+        else:
+            load.cached.update(stored)
+            load.cached.difference_update(evicted)
+        for digest in evicted:
+            load.prefixes.pop(digest, None)
+
     def placed(self, route: Route, token_ids: list[int]) -> None:
         hashes = prefix_hashes(token_ids, self.block_size)
         self.decode[route.decode_id].running += 1
-        self.decode[route.decode_id].remember(hashes)
-        if route.prefill_id is not None:
+        if route.prefill_id is None:
+            self.decode[route.decode_id].remember(hashes)
+        else:  # the decode worker's own report says once the KV is there
             self.prefill[route.prefill_id].queued_tokens += len(token_ids)
             self.prefill[route.prefill_id].remember(hashes)
 
@@ -116,11 +214,12 @@ class Router:
         if load is not None:
             load.running = max(0, load.running - 1)
 
-    def observe(self, worker_id: str, free_blocks: int) -> None:
-        """Records a worker's latest free KV block count."""
+    def observe(self, worker_id: str, free_blocks: int, queued_tokens: int = 0) -> None:
+        """Records a worker's latest free KV blocks and prompt tokens waiting in its engine."""
         for pool in (self.prefill, self.decode):
             if worker_id in pool:
                 pool[worker_id].free_blocks = free_blocks
+                pool[worker_id].reported_queue = queued_tokens
 
     def is_alive(self, worker_id: str) -> bool:
         load = self.decode.get(worker_id) or self.prefill.get(worker_id)

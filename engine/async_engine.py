@@ -105,6 +105,15 @@ class AsyncEngine:
     def _crashed(self, err: BaseException) -> None:
         self._loop.call_soon_threadsafe(self._fail_all, err)
 
+    def recent_steps(self, worker_id: str | None = None, limit: int | None = None) -> dict:
+        """This engine's latest step records (as many as its log keeps), as worker "engine"."""
+        if worker_id not in (None, "engine"):
+            return {}
+        total, records, _ = self.engine.step_log.since(0)
+        records = records[-limit:] if limit else records
+        steps = [r._asdict() for r in records]
+        return {"engine": {"steps_total": total, "steps_missed": 0, "steps": steps}}
+
     # -- event loop ----------------------------------------------------------------------------
 
     def _deliver(self, updates: list[WorkerUpdate]) -> None:

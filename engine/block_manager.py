@@ -15,7 +15,7 @@ A block is in exactly one state:
 from __future__ import annotations
 
 from collections import OrderedDict, deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 
 def block_hash(parent: int | None, tokens: Sequence[int]) -> int:
@@ -46,6 +46,8 @@ class BlockManager:
         self.evictable: OrderedDict[int, None] = OrderedDict()  # least recently freed first
         self.prefix_queries = 0
         self.prefix_hits = 0
+        # (hash, stored): a hash entered (True) or left (False) the prefix cache
+        self.on_cache_change: Callable[[int, bool], None] | None = None
 
     @property
     def num_free_blocks(self) -> int:
@@ -111,6 +113,8 @@ class BlockManager:
         digest = self.hashes[block]
         if digest is not None and self.hash_to_block.get(digest) == block:
             del self.hash_to_block[digest]
+            if self.on_cache_change is not None:
+                self.on_cache_change(digest, False)
         self.hashes[block] = None
         self.block_tokens[block] = None
 
@@ -128,7 +132,10 @@ class BlockManager:
             if self.hashes[block] is None:
                 self.hashes[block], self.block_tokens[block] = parent, tokens
                 # A twin computed concurrently keeps the entry; this copy is freed as a miss.
-                self.hash_to_block.setdefault(parent, block)
+                if parent not in self.hash_to_block:
+                    self.hash_to_block[parent] = block
+                    if self.on_cache_change is not None:
+                        self.on_cache_change(parent, True)
 
     def free_blocks(self, block_ids: list[int]) -> None:
         """Drops one reference per block; the last reference makes it cached or free."""

@@ -31,6 +31,7 @@ from protocol.limits import ModelLimits
 from protocol.messages import RequestFailed, TokenUpdate, WorkerUpdate
 from protocol.sampling import FinishReason, SamplingParams, TokenLogprobs
 from protocol.stats import EngineSnapshot
+from protocol.telemetry import PREFIX_LOG_SIZE, STEP_LOG_SIZE, PrefixEvent, SeqLog, StepRecord
 
 log = logging.getLogger(__name__)
 
@@ -73,6 +74,9 @@ class LLMEngine:
         self.limits = ModelLimits(self.max_model_len, self.model_config.vocab_size)
         self.runner = ModelRunner(self.model_config, config, self.num_blocks, launch_ranks)
         self.blocks = BlockManager(self.num_blocks, config.block_size, config.enable_prefix_caching)
+        self.step_log: SeqLog[StepRecord] = SeqLog(STEP_LOG_SIZE)
+        self.prefix_log: SeqLog[PrefixEvent] = SeqLog(PREFIX_LOG_SIZE)
+        self.blocks.on_cache_change = self._prefix_changed
         self.scheduler = Scheduler(
             SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens), self.blocks
         )
@@ -238,9 +242,18 @@ class LLMEngine:
         goes to the follower ranks with the batch; `on_layer(plan, i)` runs once layer i's KV
         of the plan is written. A request whose sampling raises fails alone (a
         RequestFailed); the rest go on."""
+        started = time.perf_counter()
         plan = self.scheduler.schedule()
         if not plan.chunks:
             return []
+        try:
+            return self._run(plan, on_layer, on_plan)
+        finally:
+            self._record(plan, time.perf_counter() - started)
+
+    def _run(
+        self, plan: StepPlan, on_layer: PlanLayerHook | None, on_plan: PlanHook | None
+    ) -> list[WorkerUpdate]:
         sampling = [chunk.seq for chunk in plan.chunks if chunk.samples]
         extra = on_plan(plan) if on_plan is not None else None
         hook = functools.partial(on_layer, plan) if on_layer is not None else None
@@ -255,6 +268,36 @@ class LLMEngine:
                 generator.set_state(state)
             return self._sample_alone(sampling, logits, rows)
         return self._update(sampling, output.token_ids, output.logprobs)
+
+    def _record(self, plan: StepPlan, seconds: float) -> None:
+        prefill_tokens = prefill_attention = decode_seqs = decode_context = 0
+        for chunk in plan.chunks:
+            if chunk.num_tokens == 1:
+                decode_seqs += 1
+                decode_context += chunk.end
+            else:
+                prefill_tokens += chunk.num_tokens
+                prefill_attention += chunk.num_tokens * chunk.end
+        blocks = self.blocks
+        self.step_log.append(
+            StepRecord(
+                time.time(),
+                seconds,
+                prefill_tokens,
+                prefill_attention,
+                decode_seqs,
+                decode_context,
+                blocks.num_blocks - blocks.num_free_blocks,
+                len(self.scheduler.waiting),
+            )
+        )
+
+    def _prefix_changed(self, digest: int, stored: bool) -> None:
+        self.prefix_log.append(PrefixEvent(digest, stored))
+
+    def cached_prefixes(self) -> list[int]:
+        """Every block hash in the prefix cache now. Any thread may call it (one copy)."""
+        return list(self.blocks.hash_to_block)
 
     def _sample_alone(
         self, sampling: list[Sequence], logits: torch.Tensor, rows: list[SampleRow]

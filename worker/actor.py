@@ -26,6 +26,7 @@ from prefill.worker import PrefillReport, PrefillWorker
 from protocol.kv import Endpoint, Ticket
 from protocol.messages import PrefillResult, WorkRequest
 from protocol.stats import EngineHealth, WorkerStats
+from protocol.telemetry import Telemetry, read_telemetry
 from worker.ranks import ray_launcher
 
 ROLES = ("prefill", "decode")
@@ -123,6 +124,14 @@ class WorkerActor:
 
     async def stats(self) -> WorkerStats:
         return await asyncio.wrap_future(self.worker.stats())
+
+    async def telemetry(self, step_seq: int, prefix_seq: int) -> Telemetry:
+        """Step records and prefix-cache events logged from those numbers on (the engine
+        outlives role switches, and so do its logs). Never waits on the engine thread."""
+        engine = self.engine
+        return read_telemetry(
+            engine.step_log, engine.prefix_log, engine.cached_prefixes, step_seq, prefix_seq
+        )
 
     # -- prefill ---------------------------------------------------------------------------
 

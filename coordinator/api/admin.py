@@ -5,13 +5,14 @@ route but the probes.
     POST /admin/pools                  {"prefill": N, "decode": M}: grow or shrink (drains)
     POST /admin/workers/{id}/drain     no new requests; it leaves once its requests are done
     POST /admin/workers/{id}/role      {"role": "prefill"|"decode"}: switch pools, same weights
+    GET  /admin/telemetry              each worker's latest engine steps (?worker=ID&limit=N)
 """
 
 from __future__ import annotations
 
 from typing import Literal
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, Query, Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -74,6 +75,18 @@ async def switch_role(worker_id: str, body: RoleChange, request: Request) -> JSO
     except PoolError as err:
         raise invalid(str(err)) from err
     return JSONResponse({**_view(ctx), "switch_seconds": seconds})
+
+
+@router.get("/telemetry")
+async def get_telemetry(
+    request: Request, worker: str | None = None, limit: int = Query(256, ge=1, le=4096)
+) -> JSONResponse:
+    """Step records as the workers reported them: the input of `tandem profile
+    --from-telemetry` and of the planner."""
+    steps = context_of(request).client.recent_steps(worker, limit)
+    if worker is not None and worker not in steps:
+        raise ApiError(404, f"no telemetry from worker {worker!r}", code="worker_not_found")
+    return JSONResponse({"workers": steps})
 
 
 def _view(ctx: ServerContext) -> dict:

@@ -41,6 +41,10 @@ class EngineClient(Protocol):
     def pools(self) -> list[PoolWorker]:
         """Every worker with its pool and state (for /admin/pools and /metrics)."""
 
+    def recent_steps(self, worker_id: str | None, limit: int | None) -> dict:
+        """Each worker's latest engine step records (protocol/telemetry.py) as
+        {worker: {"steps_total", "steps_missed", "steps": [record dicts]}}."""
+
     def scale(self, sizes: dict[str, int]) -> None:
         """Sets pool sizes, e.g. {"decode": 2}; raises PoolError where pools are fixed."""
 

@@ -80,7 +80,9 @@ def test_short_uncached_prompt_prefills_on_the_decode_worker() -> None:
     assert router.route(list(range(7))) == Route("d0", None)
     assert router.route(list(range(8))) == Route("d0", "p0")
     router.placed(Route("d0", "p0"), list(range(8)))
-    # The decode worker holds both blocks: one new token to prefill, so it does it itself.
+    assert router.route(list(range(9))) == Route("d0", "p0")  # its KV is not there yet
+    router.cache_changed("d0", prefix_hashes(list(range(8)), router.block_size), [])
+    # The decode worker reports both blocks: one new token to prefill, so it does it itself.
     assert router.route(list(range(9))) == Route("d0", None)
 
 
@@ -146,9 +148,71 @@ def test_observe_sets_free_blocks_of_the_named_worker_only() -> None:
 def test_prefix_memory_is_bounded() -> None:
     router = Router(["p0"], ["d0"], 1, 0)
     prompt = list(range(REMEMBERED_PREFIXES + 100))
-    router.placed(Route("d0", "p0"), prompt)
+    router.placed(Route("d0", "p0"), prompt)  # the prefill worker computes it ...
+    router.placed(Route("d0", None), prompt)  # ... and here the decode worker does
     hashes = prefix_hashes(prompt, 1)
     for load in (router.decode["d0"], router.prefill["p0"]):
         assert len(load.prefixes) == REMEMBERED_PREFIXES
         assert load.overlap(hashes[100:]) == REMEMBERED_PREFIXES  # the newest are kept
         assert load.overlap(hashes) == 0  # the oldest went first
+
+
+def cost_router(num_prefill: int = 1, num_decode: int = 2) -> Router:
+    prefill = [f"p{i}" for i in range(num_prefill)]
+    decode = [f"d{i}" for i in range(num_decode)]
+    return Router(prefill, decode, BLOCK, 0, policy="cost")
+
+
+def test_cost_routing_uses_the_prefill_pool_when_nothing_is_cached() -> None:
+    router = cost_router()
+    assert router.route(PROMPT_A) == Route("d0", "p0")  # a tie goes to the prefill pool
+    router.placed(Route("d0", "p0"), PROMPT_A)
+    # While p0 still has A queued, the idle d1 prefilling B itself waits for nothing.
+    assert router.route(PROMPT_B) == Route("d1", None)
+    router.prefilled(Route("d0", "p0"), len(PROMPT_A))
+    assert router.route(PROMPT_B) == Route("d1", "p0")  # d0 runs a request now
+
+
+def test_cost_routing_prefills_on_the_decode_worker_holding_the_prompt() -> None:
+    router = cost_router()
+    router.decode["d0"].running = 1  # busier than d1, but it holds the prompt
+    router.cache_changed("d1", [], [])
+    router.cache_changed("d0", prefix_hashes(PROMPT_A, BLOCK), [])
+    assert router.route(PROMPT_A + [7]) == Route("d0", None)  # one token left to prefill
+
+
+def test_cost_routing_sends_short_prompts_to_decode_while_the_prefill_pool_is_busy() -> None:
+    router = cost_router()
+    router.prefill["p0"].queued_tokens = 10_000
+    assert router.route(PROMPT_A) == Route("d0", None)
+    router.prefill["p0"].queued_tokens = 0
+    assert router.route(PROMPT_A) == Route("d0", "p0")
+
+
+def test_cost_routing_picks_the_prefill_worker_that_holds_the_prefix() -> None:
+    router = cost_router(num_prefill=2)
+    router.cache_changed("p1", prefix_hashes(PROMPT_A, BLOCK), [])
+    router.decode["d0"].running = router.decode["d1"].running = 2  # local prefill costs more
+    assert router.route(PROMPT_A).prefill_id == "p1"
+    router.cache_changed("p1", [], prefix_hashes(PROMPT_A, BLOCK)[1:])  # evicted: one left
+    router.prefill["p1"].queued_tokens = 12
+    assert router.route(PROMPT_A).prefill_id == "p0"
+
+
+def test_a_cache_snapshot_replaces_what_the_router_knew() -> None:
+    router = cost_router()
+    router.cache_changed("d0", prefix_hashes(PROMPT_A, BLOCK), [])
+    router.cache_changed("d0", prefix_hashes(PROMPT_B, BLOCK), [], snapshot=True)
+    assert router.decode["d0"].overlap(prefix_hashes(PROMPT_A, BLOCK)) == 0
+    assert router.decode["d0"].overlap(prefix_hashes(PROMPT_B, BLOCK)) == 3
+
+
+def test_round_robin_takes_each_worker_in_turn() -> None:
+    router = Router(["p0", "p1"], ["d0", "d1"], BLOCK, 0, policy="round-robin")
+    routes = [router.route(PROMPT_A) for _ in range(4)]
+    assert routes == [Route("d0", "p0"), Route("d1", "p1")] * 2
+
+
+def test_unknown_policy_is_refused() -> None:
+    with pytest.raises(ValueError, match="routing policy"):
+        Router(["p0"], ["d0"], BLOCK, 0, policy="fastest")

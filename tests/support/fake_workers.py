@@ -33,6 +33,7 @@ from protocol.kv import Endpoint, KVLayout, Ticket
 from protocol.messages import PrefillResult, RequestFailed, TokenUpdate, WorkerUpdate, WorkRequest
 from protocol.sampling import FinishReason
 from protocol.stats import EngineHealth, WorkerStats
+from protocol.telemetry import Telemetry
 from protocol.wire import hello, pack_updates
 
 OUTPUT = [10, 11, 12, 13, 14, 15, 16, 17]  # every request's tokens, in order
@@ -112,6 +113,13 @@ class _FakeProcess:
         if self.frozen:
             await asyncio.Event().wait()
         return EngineHealth(alive=True, busy=False, seconds_since_progress=0.0, error=None)
+
+    async def telemetry(self, step_seq: int, prefix_seq: int) -> Telemetry:
+        """The records a test put in `steps`, from `step_seq` on; no prefix cache."""
+        if self.frozen:
+            await asyncio.Event().wait()
+        steps = getattr(self, "steps", [])
+        return Telemetry(len(steps), steps[step_seq:], 0, prefix_seq, [], None)
 
     def die(self) -> None:
         """The process is gone: whatever it had open closes."""

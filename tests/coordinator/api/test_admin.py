@@ -9,6 +9,7 @@ import time
 import httpx
 import pytest
 
+from protocol.telemetry import StepRecord
 from tests.support.fake_workers import OUTPUT, served_fake_cluster
 from tests.support.servers import wait_until
 
@@ -123,3 +124,22 @@ def test_role_switch_over_http(cluster) -> None:
     assert bad.status_code == 400
     missing = http.post("/admin/workers/nobody/role", json={"role": "decode"}, headers=AUTH)
     assert missing.status_code == 404
+
+
+def test_telemetry_shows_each_workers_reported_steps(cluster) -> None:
+    fakes, http = cluster
+    records = [StepRecord(1.0 + i, 0.01, 0, 0, 4, 40 + 4 * i, 10, 0) for i in range(3)]
+    fakes.decodes["decode-0"].steps = records
+
+    def reported() -> list:
+        reply = http.get("/admin/telemetry?worker=decode-0&limit=2", headers=AUTH)
+        return reply.json()["workers"]["decode-0"]["steps"] if reply.status_code == 200 else []
+
+    assert wait_until(lambda: len(reported()) == 2, timeout=5)  # one stats poll: 1 s
+    assert reported() == [r._asdict() for r in records[1:]]  # the latest two
+    everyone = http.get("/admin/telemetry", headers=AUTH).json()["workers"]
+    assert everyone["decode-0"]["steps_total"] == 3
+    missing = http.get("/admin/telemetry?worker=decode-9", headers=AUTH)
+    assert missing.status_code == 404
+    assert missing.json()["error"]["code"] == "worker_not_found"
+    assert http.get("/admin/telemetry?limit=0", headers=AUTH).status_code == 400
