@@ -28,7 +28,7 @@ from typing import Any
 from ray.exceptions import RayActorError
 
 from coordinator.request_state import TrackedRequest
-from coordinator.router import NoWorkerError, Route, RouteCosts, Router
+from coordinator.router import NoWorkerError, Route, RouteCosts, Router, queued_tokens
 from coordinator.supervisor import Spawn, Supervisor, SupervisorConfig, WorkerEntry
 from coordinator.telemetry import TelemetryStore
 from coordinator.update_server import UpdateServer
@@ -308,7 +308,7 @@ class Coordinator:
                 request.lose(f"prefill on {prefill_id} failed: {_brief(err)}")
                 return
             finally:
-                self.router.prefilled(route, len(work.token_ids))
+                self.router.prefilled(route, queued_tokens(route, work.token_ids))
             # The KV is with the decode worker: the request no longer needs its prefill worker.
             request.route = Route(route.decode_id, None)
             if result.token_id not in request.params.stop_ids(self.eos_ids):

@@ -88,6 +88,14 @@ class NoWorkerError(RuntimeError):
 class Route:
     decode_id: str
     prefill_id: str | None  # None: prefill on the decode worker
+    # Prompt tokens the prefill worker must compute (what it does not hold); None: all of them.
+    # Not part of a route's identity: two routes to the same workers are equal.
+    prefill_tokens: int | None = field(default=None, compare=False)
+
+
+def queued_tokens(route: Route, token_ids: list[int]) -> int:
+    """What the route adds to its prefill worker's queue."""
+    return len(token_ids) if route.prefill_tokens is None else route.prefill_tokens
 
 
 class Router:
@@ -125,7 +133,9 @@ class Router:
             decode = self._next_turn("decode", decodes)
             if local or not prefills:
                 return Route(decode.worker_id, None)
-            return Route(decode.worker_id, self._next_turn("prefill", prefills).worker_id)
+            prefill = self._next_turn("prefill", prefills)
+            uncached = self._uncached(prefill, len(token_ids), hashes)
+            return Route(decode.worker_id, prefill.worker_id, uncached)
         decode = min(decodes, key=lambda w: (w.running, -w.free_blocks, -w.overlap(hashes)))
         uncached = len(token_ids) - decode.overlap(hashes) * self.block_size
         if local or not prefills or uncached < self.local_threshold:
@@ -133,7 +143,8 @@ class Router:
         prefill = min(
             prefills, key=lambda w: (w.queued_tokens // PREFILL_LOAD_BUCKET, -w.overlap(hashes))
         )
-        return Route(decode.worker_id, prefill.worker_id)
+        uncached = self._uncached(prefill, len(token_ids), hashes)
+        return Route(decode.worker_id, prefill.worker_id, uncached)
 
     def _cheapest(
         self,
@@ -164,7 +175,9 @@ class Router:
                     (base + remote, -decode.free_blocks, decode.worker_id, best_prefill.worker_id)
                 )
         _, _, decode_id, prefill_id = min(options, key=lambda o: (o[0], o[1], o[3] is None))
-        return Route(decode_id, prefill_id)
+        if prefill_id is None:
+            return Route(decode_id, None)
+        return Route(decode_id, prefill_id, self._uncached(best_prefill, num_tokens, hashes))
 
     def _uncached(self, worker: WorkerLoad, num_tokens: int, hashes: list[int]) -> int:
         return max(0, num_tokens - worker.overlap(hashes) * self.block_size)
@@ -196,12 +209,12 @@ class Router:
         if route.prefill_id is None:
             self.decode[route.decode_id].remember(hashes)
         else:  # the decode worker's own report says once the KV is there
-            self.prefill[route.prefill_id].queued_tokens += len(token_ids)
+            self.prefill[route.prefill_id].queued_tokens += queued_tokens(route, token_ids)
             self.prefill[route.prefill_id].remember(hashes)
 
     def unplace(self, route: Route, token_ids: list[int]) -> None:
         """Undoes `placed` for a route that was not taken after all (no room, no answer)."""
-        self.prefilled(route, len(token_ids))
+        self.prefilled(route, queued_tokens(route, token_ids))
         self.finished(route)
 
     def prefilled(self, route: Route, num_tokens: int) -> None:

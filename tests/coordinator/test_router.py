@@ -11,6 +11,7 @@ from coordinator.router import (
     Route,
     Router,
     prefix_hashes,
+    queued_tokens,
 )
 
 BLOCK = 4
@@ -216,3 +217,16 @@ def test_round_robin_takes_each_worker_in_turn() -> None:
 def test_unknown_policy_is_refused() -> None:
     with pytest.raises(ValueError, match="routing policy"):
         Router(["p0"], ["d0"], BLOCK, 0, policy="fastest")
+
+
+@pytest.mark.parametrize("policy", ["cost", "load", "round-robin"])
+def test_a_prefill_queue_counts_only_the_tokens_its_worker_must_compute(policy: str) -> None:
+    router = Router(["p0"], ["d0"], BLOCK, 0, policy=policy)
+    router.cache_changed("p0", prefix_hashes(PROMPT_A, BLOCK), [])
+    prompt = PROMPT_A + [1, 2, 3, 4, 5]
+    route = router.route(prompt)
+    assert (route.prefill_id, route.prefill_tokens) == ("p0", 5)
+    router.placed(route, prompt)
+    assert router.prefill["p0"].queued_tokens == 5
+    router.prefilled(route, queued_tokens(route, prompt))
+    assert router.prefill["p0"].queued_tokens == 0
