@@ -9,7 +9,7 @@ import os
 import sys
 from collections.abc import Callable, Sequence
 
-from cli import generate, pool, serve
+from cli import generate, pool, profile, serve
 from cli.errors import CliError
 from loadtest import cli as bench_cli
 from loadtest.errors import BenchError
@@ -32,6 +32,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench_cli.add_parser(commands)
     serve.add_parser(commands)
     pool.add_parser(commands)
+    profile.add_parser(commands)
     return parser
 
 

@@ -1,0 +1,181 @@
+"""`tandem profile`: measure a model's engine steps here and save the fitted cost model as JSON.
+
+The sweep (cli/profile_sweep.py) runs on one in-process engine; `--from-telemetry` fits a file of
+live step records instead. Either way some shapes are held out of the fit and only scored, and
+the table printed says how far off the model is on them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from cli.defaults import default_of
+from cli.errors import CliError
+from engine.config import EngineConfig
+from loadtest.cli import DefaultsFormatter
+from protocol.kv import DTYPE_BYTES
+
+if TYPE_CHECKING:
+    from cli.profile_sweep import Measurement
+    from planning.cost_model import ProfileInfo, StepCostModel
+
+PROFILE_FILE = "tandem-profile.json"  # next to the model's weights
+NOISY_CORES = 0.25  # other processes' CPU during a sweep past which its times are suspect
+TELEMETRY_HELDOUT_EVERY = 5  # live records repeat no shape on purpose: hold out every 5th
+
+
+def add_parser(commands: argparse._SubParsersAction) -> None:
+    p = commands.add_parser(
+        "profile",
+        help="fit a per-step cost model for a model on this machine",
+        description="Time engine steps of many shapes and save a fitted per-step cost model.",
+        formatter_class=DefaultsFormatter,
+    )
+    p.add_argument("--model", type=Path, help="model folder (default: the fetched default model)")
+    p.add_argument("--dtype", default=default_of(EngineConfig, "dtype"), choices=list(DTYPE_BYTES))
+    p.add_argument("--threads", type=int, metavar="N", help="torch threads (default: torch's)")
+    p.add_argument(
+        "--max-batch",
+        type=int,
+        default=default_of(EngineConfig, "max_num_seqs"),
+        metavar="N",
+        help="largest decode batch measured (the engine's max_num_seqs)",
+    )
+    p.add_argument("--output", type=Path, help=f"where to save (default: <model>/{PROFILE_FILE})")
+    p.add_argument("--quick", action="store_true", help="a few shapes only (tests, smoke runs)")
+    p.add_argument(
+        "--from-telemetry",
+        type=Path,
+        metavar="FILE",
+        help="fit a JSON list of step records instead of sweeping",
+    )
+    p.add_argument("--show-shapes", action="store_true", help="print every measured shape")
+    p.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from planning.model_file import CostModelError
+
+    for flag in ("threads", "max_batch"):
+        value = getattr(args, flag)
+        if value is not None and value < 1:
+            raise CliError(f"--{flag.replace('_', '-')} must be at least 1")
+    try:
+        if args.from_telemetry is not None:
+            model, output = _fit_telemetry(args)
+        else:
+            model, output = _sweep_and_fit(args)
+        model.save(output)
+    except CostModelError as err:
+        raise CliError(str(err)) from None
+    except OSError as err:
+        raise CliError(f"cannot write {err.filename}: {err.strerror}") from None
+    _print_model(model, output)
+    return 0
+
+
+def _fit_telemetry(args: argparse.Namespace) -> tuple[StepCostModel, Path]:
+    from planning.cost_model import ProfileInfo, fit
+    from planning.records import load_records, split_every
+
+    if args.output is None and args.model is None:
+        raise CliError("--from-telemetry needs --output (or --model, to save next to it)")
+    records = load_records(args.from_telemetry)
+    train, heldout = split_every(records, TELEMETRY_HELDOUT_EVERY)
+    model_name = args.model.name if args.model is not None else ""
+    info = ProfileInfo(model=model_name, dtype=args.dtype, source="telemetry")
+    output = args.output or args.model / PROFILE_FILE
+    return fit(train, heldout, info), output
+
+
+def _sweep_and_fit(args: argparse.Namespace) -> tuple[StepCostModel, Path]:
+    import torch
+
+    from cli.profile_sweep import FULL, QUICK, Sweep
+    from engine.llm import LLM
+    from kernels.threads import use_threads
+    from planning.cost_model import fit
+
+    folder = _model_folder(args.model)
+    output = args.output or folder / PROFILE_FILE
+    if not output.parent.is_dir():
+        raise CliError(f"folder {output.parent} does not exist")
+    if args.threads is not None:
+        use_threads(args.threads)
+    # One sequence more than the largest batch: a mixed step's prompt joins a full rung.
+    seqs = args.max_batch + 1
+    llm = LLM(folder, dtype=args.dtype, max_num_seqs=seqs, enable_prefix_caching=True)
+    try:
+        sweep = Sweep(llm.engine, args.max_batch)
+        measured = sweep.run(QUICK if args.quick else FULL, log=_log)
+    finally:
+        llm.close()
+    train = [m.record for m in measured if not m.heldout]
+    heldout = [m.record for m in measured if m.heldout]
+    others = [cores for cores in sweep.others_cores if cores is not None]
+    quietest = min(others, default=None)
+    info = _info(folder, llm.engine.config, torch.get_num_threads(), quietest)
+    model = fit(train, heldout, info)
+    if args.show_shapes:
+        _print_shapes(model, measured)
+    return model, output
+
+
+def _info(
+    folder: Path, config: EngineConfig, threads: int, others_cores: float | None
+) -> ProfileInfo:
+    from planning.cost_model import ProfileInfo
+
+    return ProfileInfo(
+        model=folder.name,
+        dtype=config.dtype,
+        device=config.device,
+        threads=threads,
+        block_size=config.block_size,
+        source="sweep",
+        others_cores=others_cores,
+    )
+
+
+def _model_folder(model: Path | None) -> Path:
+    if model is None:
+        from engine.fetch import fetch_default_model
+
+        return fetch_default_model()
+    if not model.is_dir():
+        raise CliError(f"model folder {model} does not exist")
+    return model
+
+
+def _log(line: str) -> None:
+    print(f"profile: {line}", file=sys.stderr, flush=True)
+
+
+def _print_model(model: StepCostModel, output: Path) -> None:
+    print(f"{'feature':<20}{'us per unit':>14}")
+    for name, coefficient in zip(model.features, model.coefficients, strict=True):
+        print(f"{name:<20}{coefficient * 1e6:>14.4f}")
+    stats = model.stats
+    print(f"knee at {model.knee_rows} rows, linears switch kernel above {model.small_batch_rows}")
+    print(f"train MAE     {stats.train_mae_pct:6.2f}% over {stats.num_train} shapes")
+    if stats.heldout_mae_pct is not None:
+        print(f"held-out MAE  {stats.heldout_mae_pct:6.2f}% over {stats.num_heldout} shapes")
+    others = model.info.others_cores
+    if others is not None and others > NOISY_CORES:
+        print(f"other processes used {others:.2f} cores in the quietest pass: the times are")
+        print("inflated by them; profile again on an idle machine for a model of this one alone")
+    print(f"wrote {output}")
+
+
+def _print_shapes(model: StepCostModel, measured: list[Measurement]) -> None:
+    for m in measured:
+        predicted = model.predict(m.record)
+        error = (predicted - m.record.seconds) / m.record.seconds * 100
+        tag = "held out" if m.heldout else ""
+        print(
+            f"{m.label:<40}{m.record.seconds * 1e3:9.2f} ms{predicted * 1e3:9.2f} ms"
+            f"{error:+8.1f}%  {tag}"
+        )
