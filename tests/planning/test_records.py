@@ -33,10 +33,13 @@ def test_split_every_holds_out_every_nth() -> None:
 
 
 def test_a_saved_admin_telemetry_reply_loads_every_workers_steps(tmp_path) -> None:
-    step = {"end": 1.0, "seconds": 0.01, "prefill_tokens": 0, "prefill_attention": 0,
-            "decode_seqs": 4, "decode_context": 40, "kv_blocks_used": 3, "queue_length": 0}  # fmt: skip
-    reply = {"workers": {"decode-0": {"steps_total": 2, "steps": [step, step]},
-                         "prefill-0": {"steps_total": 1, "steps": [step]}}}  # fmt: skip
+    step = StepRecord(1.0, 0.01, 0, 0, 4, 40, 3, 0)._asdict()
+    reply = {
+        "workers": {
+            "decode-0": {"steps_total": 2, "steps": [step, step]},
+            "prefill-0": {"steps_total": 1, "steps": [step]},
+        }
+    }
     path = tmp_path / "telemetry.json"
     path.write_text(json.dumps(reply))
     records = load_records(path)
