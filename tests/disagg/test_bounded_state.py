@@ -22,13 +22,17 @@ PARAMS = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True)
 
 
 def sizes(root: object, depth: int = 3) -> Iterator[tuple[str, int]]:
-    """(path, length) of every list, dict, set and deque reachable through attributes."""
+    """(path, length) of every list, dict, set and deque reachable through attributes. A deque
+    with a maxlen (the engine's telemetry logs) is bounded by construction: its bound counts."""
     seen: set[int] = set()
 
     def walk(obj: object, path: str, left: int) -> Iterator[tuple[str, int]]:
         if id(obj) in seen or left < 0:
             return
         seen.add(id(obj))
+        if isinstance(obj, deque) and obj.maxlen is not None:
+            yield path, obj.maxlen
+            return
         if isinstance(obj, list | dict | set | deque):
             yield path, len(obj)
             return
