@@ -98,7 +98,12 @@ def test_every_engine_step_leaves_one_record_with_its_shape(tiny_llama) -> None:
 
 
 @pytest.mark.parametrize("routing", ["load", "cost"])
-def test_router_learns_each_workers_cache_from_its_reports(tiny_llama, routing: str) -> None:
+def test_router_learns_each_workers_cache_from_its_reports(
+    tiny_llama, routing: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The supervisor kills its workers with ray.kill at shutdown, which would start a Ray
+    # cluster in this process (these workers are local objects, not actors).
+    monkeypatch.setattr("ray.kill", lambda handle: None)
     config = EngineConfig(
         tiny_llama, dtype="float32", block_size=4, num_kv_blocks=96, max_num_batched_tokens=64
     )

@@ -19,6 +19,8 @@ def ray_cluster():
 
     from coordinator.builder import connect_ray
 
+    if ray.is_initialized():  # started by an earlier test (ray.kill auto-starts one): too small
+        ray.shutdown()
     connect_ray(None, num_cpus=32)  # logical CPUs: room for several pools at once
     yield ray
     ray.shutdown()
