@@ -472,15 +472,19 @@ class Coordinator:
             await asyncio.sleep(STATS_SECONDS)
             await asyncio.gather(self._refresh_once(), self._refresh_telemetry())
 
+    def _alive_workers(self) -> dict[str, Any]:
+        """Handles of the workers the router counts alive, by worker id."""
+        workers = {**self.prefill, **self.decode}
+        return {w: handle for w, handle in workers.items() if self.router.is_alive(w)}
+
     async def _refresh_telemetry(self) -> None:
         """Each worker's step records and prefix-cache events since the last reply (a lost
         reply is asked for again next time: the cursors only move on an answer)."""
-        workers = {**self.prefill, **self.decode}
-        alive = [w for w in workers if self.router.is_alive(w)]
+        alive = self._alive_workers()
         replies = await asyncio.gather(
             *(
-                self._call(workers[w].telemetry, *self.telemetry.cursor(w), timeout=STATS_TIMEOUT)
-                for w in alive
+                self._call(handle.telemetry, *self.telemetry.cursor(w), timeout=STATS_TIMEOUT)
+                for w, handle in alive.items()
             ),
             return_exceptions=True,
         )
@@ -492,10 +496,9 @@ class Coordinator:
     async def _refresh_once(self) -> None:
         """Each worker answers under its own deadline: a slow one keeps its last report,
         marked stale, and never holds up the others."""
-        workers = {**self.prefill, **self.decode}
-        alive = [w for w in workers if self.router.is_alive(w)]
+        alive = self._alive_workers()
         results = await asyncio.gather(
-            *(self._call(workers[w].stats, timeout=STATS_TIMEOUT) for w in alive),
+            *(self._call(handle.stats, timeout=STATS_TIMEOUT) for handle in alive.values()),
             return_exceptions=True,
         )
         for worker_id, result in zip(alive, results, strict=True):

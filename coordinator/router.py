@@ -153,31 +153,25 @@ class Router:
         decodes: list[WorkerLoad],
         prefills: list[WorkerLoad],
     ) -> Route:
-        """The route of least predicted work (seconds): see the module docstring."""
+        """The route of least predicted work (seconds): see the module docstring. A tie goes
+        to the prefill pool."""
         per_token, per_seq = self.costs.prefill_token_seconds, self.costs.decode_seq_seconds
-        best_prefill = None
+        best: WorkerLoad | None = None  # the prefill worker with the least work ahead
         if prefills:
-            best_prefill = min(
-                prefills,
-                key=lambda w: (w.queued_tokens + self._uncached(w, num_tokens, hashes), w.running),
-            )
-            remote = per_token * (
-                best_prefill.queued_tokens + self._uncached(best_prefill, num_tokens, hashes)
-            )
-        options = []
+            work = {w.worker_id: self._uncached(w, num_tokens, hashes) for w in prefills}
+            best = min(prefills, key=lambda w: w.queued_tokens + work[w.worker_id])
+            tokens = work[best.worker_id]
+            remote_seconds = per_token * (best.queued_tokens + tokens)
+        options: list[tuple[float, int, bool, Route]] = []  # (seconds, tie-breaks, route)
         for decode in decodes:
             base = per_seq * decode.running
             uncached = self._uncached(decode, num_tokens, hashes)
             local = per_token * (decode.reported_queue + uncached * (1 + decode.running))
-            options.append((base + local, -decode.free_blocks, decode.worker_id, None))
-            if best_prefill is not None:
-                options.append(
-                    (base + remote, -decode.free_blocks, decode.worker_id, best_prefill.worker_id)
-                )
-        _, _, decode_id, prefill_id = min(options, key=lambda o: (o[0], o[1], o[3] is None))
-        if prefill_id is None:
-            return Route(decode_id, None)
-        return Route(decode_id, prefill_id, self._uncached(best_prefill, num_tokens, hashes))
+            options.append((base + local, -decode.free_blocks, True, Route(decode.worker_id, None)))
+            if best is not None:
+                route = Route(decode.worker_id, best.worker_id, tokens)
+                options.append((base + remote_seconds, -decode.free_blocks, False, route))
+        return min(options, key=lambda option: option[:3])[3]
 
     def _uncached(self, worker: WorkerLoad, num_tokens: int, hashes: list[int]) -> int:
         return max(0, num_tokens - worker.overlap(hashes) * self.block_size)
