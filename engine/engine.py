@@ -270,23 +270,12 @@ class LLMEngine:
         return self._update(sampling, output.token_ids, output.logprobs)
 
     def _record(self, plan: StepPlan, seconds: float) -> None:
-        prefill_tokens = prefill_attention = decode_seqs = decode_context = 0
-        for chunk in plan.chunks:
-            if chunk.num_tokens == 1:
-                decode_seqs += 1
-                decode_context += chunk.end
-            else:
-                prefill_tokens += chunk.num_tokens
-                prefill_attention += chunk.num_tokens * chunk.end
         blocks = self.blocks
         self.step_log.append(
             StepRecord(
                 time.time(),
                 seconds,
-                prefill_tokens,
-                prefill_attention,
-                decode_seqs,
-                decode_context,
+                *plan.shape(),
                 blocks.num_blocks - blocks.num_free_blocks,
                 len(self.scheduler.waiting),
             )

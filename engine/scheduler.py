@@ -18,6 +18,7 @@ from typing import NamedTuple
 
 from engine.block_manager import BlockManager, num_blocks_for
 from engine.sequence import Sequence, SequenceStatus
+from planning.cost_model import StepShape
 from protocol.sampling import FinishReason
 
 
@@ -52,6 +53,19 @@ class StepPlan:
     @property
     def num_batched_tokens(self) -> int:
         return sum(chunk.num_tokens for chunk in self.chunks)
+
+    def shape(self) -> StepShape:
+        """What the step computes, as the per-step cost model reads it: a multi-token chunk is
+        prompt work (tokens, and tokens x context for attention), a one-token chunk a decode."""
+        prefill_tokens = prefill_attention = decode_seqs = decode_context = 0
+        for chunk in self.chunks:
+            if chunk.num_tokens == 1:
+                decode_seqs += 1
+                decode_context += chunk.end
+            else:
+                prefill_tokens += chunk.num_tokens
+                prefill_attention += chunk.num_tokens * chunk.end
+        return StepShape(prefill_tokens, prefill_attention, decode_seqs, decode_context)
 
 
 class Scheduler:

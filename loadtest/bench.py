@@ -100,13 +100,8 @@ def _settings(config: BenchConfig, model_id: str, load: LoadConfig, num_prompts:
         "max_concurrency": load.max_concurrency,
         "seed": load.seed,
         "percentiles": list(config.output.percentiles),
-        "goodput_slo": None if slo is None else _slo_ms(slo),
+        "goodput_slo": None if slo is None else slo.limits_ms(),
     }
-
-
-def _slo_ms(slo: GoodputSLO) -> dict[str, float]:
-    limits = {"ttft": slo.ttft_ms, "tpot": slo.tpot_ms, "e2el": slo.e2el_ms}
-    return {name: limit for name, limit in limits.items() if limit is not None}
 
 
 def _finish_single(config: BenchConfig, record: Record, out: TextIO) -> Record:

@@ -180,6 +180,11 @@ class GoodputSLO:
     tpot_ms: float | None = None
     e2el_ms: float | None = None
 
+    def limits_ms(self) -> dict[str, float]:
+        """The objectives set, by metric name ("ttft", "tpot", "e2el")."""
+        limits = {"ttft": self.ttft_ms, "tpot": self.tpot_ms, "e2el": self.e2el_ms}
+        return {name: limit for name, limit in limits.items() if limit is not None}
+
 
 @dataclass(frozen=True)
 class ResultFile:

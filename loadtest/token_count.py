@@ -36,7 +36,11 @@ class LocalTokenizer:
             ) from err
 
     def count(self, text: str) -> int:
-        return len(self._tokenizer.encode(text, add_special_tokens=False))
+        return len(self.encode(text))
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of `text`, without special tokens (what the server adds is its own)."""
+        return self._tokenizer.encode(text, add_special_tokens=False)
 
 
 class ServerTokenizer:

@@ -1,0 +1,420 @@
+"""The discrete-event simulation of one deployment serving one workload.
+
+Simulated time only moves between events (a heap of callbacks). The policies are the real ones:
+`coordinator.router.Router` picks every route, from the same stale view the coordinator has
+(loads it counts itself, free blocks, queues and cached prefixes as of the last stats poll);
+`engine.scheduler.Scheduler` plans every step on every worker. Around them this file plays the
+parts that take time: a client that sends at the workload's arrival times (at most
+`max_concurrency` in flight), engine steps as long as the cost model says, KV that leaves a
+prefill worker layer by layer while later layers compute, and workers that die or join.
+
+Request flow, as in `coordinator/coordinator.py`:
+    arrive -> (dispatch) route -> local: the decode worker queues it
+                               -> remote: the decode worker reserves blocks (no room: retry),
+                                  the prefill worker queues it
+    prefill step ends with its first token -> the KV's last layer lands -> (handover) the decode
+        worker admits it and the client gets the first token
+    each decode step -> one token per running request -> (delivery) the client
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import math
+from array import array
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from coordinator.router import NoWorkerError, Route, Router, queued_tokens
+from engine.scheduler import StepPlan
+from engine.sequence import Sequence as EngineSequence
+from loadtest.config import LoadConfig
+from protocol.sampling import FinishReason
+from simulation.deployment import Scenario
+from simulation.worker import SimWorker
+from simulation.workload import SimRequest
+
+FRESH_TOKEN_BASE = 1 << 40  # made-up output tokens of real (list) prompts: shared by none
+
+
+@dataclass(eq=False)
+class Run:
+    """One request's life in the simulation."""
+
+    index: int
+    request: SimRequest
+    sent_at: float | None = None
+    first_token_at: float | None = None
+    finished_at: float | None = None
+    token_times: array = field(default_factory=lambda: array("d"))
+    route: Route | None = None
+    prefill_seq: EngineSequence | None = None
+    decode_seq: EngineSequence | None = None
+    attempts: int = 0
+    avoid: set[str] = field(default_factory=set)
+    resume_ids: Sequence[int] | None = None  # prompt and output of a lost attempt
+    error: str | None = None
+
+    @property
+    def key(self) -> str:
+        return f"{self.index}.{self.attempts}"
+
+    @property
+    def num_output(self) -> int:
+        return len(self.token_times)
+
+    def token_ids(self) -> Sequence[int]:
+        """Prompt and output so far (a retried request resumes where it stopped)."""
+        if self.decode_seq is not None:
+            return self.decode_seq.token_ids
+        return self.resume_ids if self.resume_ids is not None else self.request.prompt_ids
+
+
+@dataclass(frozen=True)
+class WorkerSample:
+    """One worker at one stats poll, for timelines."""
+
+    at: float
+    worker_id: str
+    pool: str
+    running: int
+    waiting: int
+    free_blocks: int
+    busy_seconds: float
+
+
+@dataclass
+class Outcome:
+    runs: list[Run]
+    duration_s: float
+    num_aborted: int  # in flight when max_duration ran out
+    num_unsent: int
+    samples: list[WorkerSample]
+    workers: dict[str, SimWorker]
+    num_events: int
+
+
+class Simulation:
+    def __init__(
+        self,
+        scenario: Scenario,
+        requests: Sequence[SimRequest],
+        load: LoadConfig | None = None,
+        max_attempts: int = 4,
+    ) -> None:
+        self.scenario = scenario
+        self.load = load or LoadConfig()
+        self.max_attempts = max_attempts
+        self.now = 0.0
+        self._events: list[tuple[float, int, Callable[..., None], tuple[Any, ...]]] = []
+        self._order = itertools.count()
+        self._fresh = itertools.count(FRESH_TOKEN_BASE)
+        self.runs = [Run(i, r) for i, r in enumerate(requests)]
+        self.workers: dict[str, SimWorker] = {}
+        dep = scenario.deployment
+        prefill_ids = [f"prefill-{i}" for i in range(dep.prefill_workers)]
+        decode_ids = [
+            f"{'worker' if dep.colocated else 'decode'}-{i}" for i in range(dep.decode_workers)
+        ]
+        self.router = Router(
+            prefill_ids,
+            decode_ids,
+            dep.engine.block_size,
+            dep.local_threshold,
+            dep.routing,
+            dep.route_costs,
+        )
+        for worker_id in prefill_ids:
+            self.workers[worker_id] = SimWorker(worker_id, "prefill", dep.engine)
+        for worker_id in decode_ids:
+            self.workers[worker_id] = SimWorker(worker_id, "decode", dep.engine)
+        self._holders: dict[str, set[Run]] = {w: set() for w in self.workers}
+        self._waiting_to_send: deque[Run] = deque()
+        self._in_flight = 0
+        self._unfinished = len(self.runs)
+        self.samples: list[WorkerSample] = []
+        self.on_poll: Callable[[Simulation], None] | None = None  # the planner's hook
+
+    # -- the event loop ------------------------------------------------------------------
+
+    def at(self, when: float, action: Callable[..., None], *args: Any) -> None:
+        heapq.heappush(self._events, (when, next(self._order), action, args))
+
+    def run(self) -> Outcome:
+        for run in self.runs:
+            self.at(run.request.arrival, self._arrive, run)
+        for fault in self.scenario.faults:
+            self.at(fault.at, self.kill, fault.worker_id)
+        self.at(0.0, self._poll)
+        limit = self.load.max_duration_s or math.inf
+        num_events = 0
+        while self._events and self._unfinished:
+            when, _, action, args = heapq.heappop(self._events)
+            if when > limit:
+                self.now = limit
+                break
+            self.now = when
+            action(*args)
+            num_events += 1
+        ended = [r.finished_at for r in self.runs if r.finished_at is not None]
+        duration = self.now if self._unfinished else max(ended, default=0.0)
+        aborted = sum(1 for r in self.runs if r.finished_at is None and r.sent_at is not None)
+        unsent = sum(1 for r in self.runs if r.sent_at is None)
+        return Outcome(self.runs, duration, aborted, unsent, self.samples, self.workers, num_events)
+
+    # -- the client ----------------------------------------------------------------------
+
+    def _arrive(self, run: Run) -> None:
+        cap = self.load.max_concurrency
+        if cap is not None and self._in_flight >= cap:
+            self._waiting_to_send.append(run)
+            return
+        self._send(run)
+
+    def _send(self, run: Run) -> None:
+        self._in_flight += 1
+        run.sent_at = self.now
+        self.at(self.now + self.scenario.overheads.dispatch, self._place, run)
+
+    def _done(self, run: Run, error: str | None = None) -> None:
+        run.finished_at = self.now
+        run.error = error
+        self._in_flight -= 1
+        self._unfinished -= 1
+        if self._waiting_to_send:
+            self._send(self._waiting_to_send.popleft())
+
+    # -- the coordinator -----------------------------------------------------------------
+
+    def _place(self, run: Run) -> None:
+        ids = run.token_ids()
+        try:
+            route = self.router.route(ids, frozenset(run.avoid))  # type: ignore[arg-type]
+        except NoWorkerError as err:
+            self._done(run, str(err))
+            return
+        self.router.placed(route, ids)  # type: ignore[arg-type]
+        decode = self.workers[route.decode_id]
+        num_prompt = len(run.request.prompt_ids)
+        seq = decode.new_sequence(run.key, ids, num_prompt)
+        if route.prefill_id is None:
+            seq.arrival_time = self.now
+            decode.scheduler.add(seq)
+            self._hold(run, route, decode_seq=seq)
+            self._wake(decode)
+            return
+        if not decode.reserve(seq):
+            self.router.unplace(route, ids)  # type: ignore[arg-type]
+            self.at(self.now + self.scenario.overheads.reserve_retry, self._place, run)
+            return
+        prefill = self.workers[route.prefill_id]
+        pseq = prefill.new_sequence(run.key, ids, num_prompt)
+        prefill.scheduler.add(pseq)
+        self._hold(run, route, decode_seq=seq, prefill_seq=pseq)
+        self._wake(prefill)
+
+    def _hold(
+        self,
+        run: Run,
+        route: Route,
+        decode_seq: EngineSequence,
+        prefill_seq: EngineSequence | None = None,
+    ) -> None:
+        run.route, run.decode_seq, run.prefill_seq = route, decode_seq, prefill_seq
+        self._holders[route.decode_id].add(run)
+        if route.prefill_id is not None:
+            self._holders[route.prefill_id].add(run)
+
+    def _release(self, run: Run) -> None:
+        route = run.route
+        if route is None:
+            return
+        for worker_id in (route.decode_id, route.prefill_id):
+            if worker_id is not None:
+                self._holders[worker_id].discard(run)
+
+    def _poll(self) -> None:
+        """The coordinator's stats and telemetry poll: what the router knows is this old."""
+        for worker in self.workers.values():
+            if not worker.alive:
+                continue
+            self.router.observe(
+                worker.worker_id, worker.blocks.num_free_blocks, worker.queued_prompt_tokens
+            )
+            if worker.cache_events:
+                stored = [d for d, s in worker.cache_events if s]
+                evicted = [d for d, s in worker.cache_events if not s]
+                worker.cache_events.clear()
+                self.router.cache_changed(worker.worker_id, stored, evicted)
+            sched = worker.scheduler
+            self.samples.append(
+                WorkerSample(
+                    self.now,
+                    worker.worker_id,
+                    worker.pool,
+                    len(sched.running),
+                    len(sched.waiting),
+                    worker.blocks.num_free_blocks,
+                    worker.busy_seconds,
+                )
+            )
+        if self.on_poll is not None:
+            self.on_poll(self)
+        if not self._events:  # nothing left that could ever move a request on
+            self._give_up()
+        if self._events:
+            self.at(self.now + self.scenario.overheads.stats_interval, self._poll)
+
+    def _give_up(self) -> None:
+        for run in self.runs:
+            if run.finished_at is None and run.sent_at is not None:
+                self._done(run, "stuck: no worker could take it")
+
+    # -- workers -------------------------------------------------------------------------
+
+    def _wake(self, worker: SimWorker) -> None:
+        if worker.stepping or not worker.alive or not worker.scheduler.num_unfinished:
+            return
+        worker.stepping = True
+        self.at(self.now + self.scenario.overheads.step_gap, self._start_step, worker)
+
+    def _start_step(self, worker: SimWorker) -> None:
+        if not worker.alive:
+            return
+        plan = worker.scheduler.schedule()
+        if not plan.chunks:  # nothing fits until blocks free up; a finish wakes it
+            worker.stepping = False
+            return
+        seconds = max(self.scenario.costs.step.predict(plan.shape()), 1e-6)
+        landed = self._send_kv(worker, plan, seconds) if worker.pool == "prefill" else {}
+        self.at(self.now + seconds, self._end_step, worker, plan, seconds, landed)
+
+    def _send_kv(self, worker: SimWorker, plan: StepPlan, seconds: float) -> dict[str, float]:
+        """When each sampling chunk's KV has fully landed: layer l of every chunk is sent once
+        computed (at l+1 / L of the step) and the worker's link is free, one send at a time."""
+        costs = self.scenario.costs
+        if costs.transfer is None:
+            return {c.seq.request_id: self.now + seconds for c in plan.chunks if c.samples}
+        layers = costs.kv.num_layers
+        per_layer = [
+            costs.transfer.predict(c.num_tokens * costs.kv.bytes_per_token_layer)
+            for c in plan.chunks
+        ]
+        link = max(worker.link_free_at, self.now)
+        for layer in range(layers):
+            ready = self.now + seconds * (layer + 1) / layers
+            for cost in per_layer:
+                link = max(link, ready) + cost
+        worker.link_free_at = link
+        return {c.seq.request_id: link for c in plan.chunks if c.samples}
+
+    def _end_step(
+        self, worker: SimWorker, plan: StepPlan, seconds: float, landed: dict[str, float]
+    ) -> None:
+        if not worker.alive:
+            return
+        worker.busy_seconds += seconds
+        worker.num_steps += 1
+        worker.scheduler.commit(plan)
+        delivery = self.now + self.scenario.overheads.delivery
+        for chunk in plan.chunks:
+            if not chunk.samples:
+                continue
+            seq = chunk.seq
+            run = self._run_of(seq)
+            if worker.pool == "prefill":
+                worker.scheduler.finish(seq, FinishReason.LENGTH)
+                when = landed[seq.request_id] + self.scenario.overheads.handover
+                self.at(when, self._kv_landed, run, seq.request_id)
+                continue
+            self._token(worker, run, seq, delivery)
+        worker.stepping = False
+        self._wake(worker)
+
+    def _run_of(self, seq: EngineSequence) -> Run:
+        return self.runs[int(seq.request_id.split(".", 1)[0])]
+
+    def _token(self, worker: SimWorker, run: Run, seq: EngineSequence, at: float) -> None:
+        seq.token_ids.append(next(self._fresh))
+        if run.first_token_at is None:
+            run.first_token_at = at
+        run.token_times.append(at)
+        if run.num_output >= run.request.output_len:
+            worker.scheduler.finish(seq, FinishReason.LENGTH)
+            self._finish(run)
+
+    def _finish(self, run: Run) -> None:
+        self._release(run)
+        if run.route is not None:
+            self.router.finished(run.route)
+        self._done(run)
+
+    def _kv_landed(self, run: Run, key: str) -> None:
+        if key != run.key or run.route is None:  # an attempt that was lost meanwhile
+            return
+        route = run.route
+        self.router.prefilled(route, queued_tokens(route, run.token_ids()))  # type: ignore[arg-type]
+        decode = self.workers[route.decode_id]
+        if not decode.alive:
+            return
+        if route.prefill_id is not None:
+            self._holders[route.prefill_id].discard(run)
+        run.route = Route(route.decode_id, None)
+        seq = decode.admit(key)
+        self._token(decode, run, seq, self.now)
+        self._wake(decode)
+
+    # -- faults and pool changes ---------------------------------------------------------
+
+    def kill(self, worker_id: str) -> None:
+        """The worker dies: the router stops choosing it; its requests are placed again."""
+        worker = self.workers.get(worker_id)
+        if worker is None or not worker.alive:
+            return
+        worker.alive = False
+        self.router.mark_dead(worker_id)
+        for run in list(self._holders[worker_id]):
+            self._lose(run, worker_id)
+
+    def _lose(self, run: Run, culprit: str) -> None:
+        """Ends the attempt everywhere; the request goes on from the tokens it has."""
+        route = run.route
+        assert route is not None
+        self._release(run)
+        for worker_id, seq in (
+            (route.decode_id, run.decode_seq),
+            (route.prefill_id, run.prefill_seq),
+        ):
+            if worker_id is not None and self.workers[worker_id].alive:
+                self.workers[worker_id].drop(run.key, seq)
+                self._wake(self.workers[worker_id])
+        self.router.unplace(route, run.token_ids())  # type: ignore[arg-type]
+        run.resume_ids = run.token_ids()
+        run.route, run.prefill_seq, run.decode_seq = None, None, None
+        run.avoid.add(culprit)
+        run.attempts += 1
+        if run.attempts >= self.max_attempts:
+            self._done(run, f"gave up after {run.attempts} attempts")
+            return
+        self.at(self.now + self.scenario.overheads.failure_detect, self._place, run)
+
+    def add_worker(self, pool: str, ready_in: float) -> str:
+        """A new worker for `pool`, serving after `ready_in` seconds; returns its id."""
+        prefix = "prefill" if pool == "prefill" else "decode"
+        number = sum(1 for w in self.workers if w.startswith(prefix))
+        worker_id = f"{prefix}-{number}"
+        self.workers[worker_id] = worker = SimWorker(
+            worker_id, pool, self.scenario.deployment.engine
+        )
+        worker.alive = False
+        self._holders[worker_id] = set()
+        self.at(self.now + ready_in, self._join, worker)
+        return worker_id
+
+    def _join(self, worker: SimWorker) -> None:
+        worker.alive = True
+        self.router.add_worker(worker.pool, worker.worker_id)
+        self.router.observe(worker.worker_id, worker.blocks.num_free_blocks, 0)

@@ -1,0 +1,113 @@
+"""What a simulation runs: the pools, each engine's limits, the costs and the serving overheads."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from coordinator.router import POLICIES, RouteCosts
+from planning.cost_model import StepCostModel
+from planning.transfer_model import TransferCostModel
+from simulation.workload import SimulationError
+
+
+@dataclass(frozen=True)
+class EngineLimits:
+    """One engine's limits, as `EngineConfig` sets them on a real worker."""
+
+    num_blocks: int
+    block_size: int = 16
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    enable_prefix_caching: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("num_blocks", "block_size", "max_num_seqs", "max_num_batched_tokens"):
+            if getattr(self, name) < 1:
+                raise SimulationError(f"{name} must be at least 1")
+
+
+@dataclass(frozen=True)
+class Deployment:
+    """Pools of single-engine workers. `prefill_workers == 0` is colocated: every worker
+    prefills and decodes its own requests."""
+
+    prefill_workers: int
+    decode_workers: int
+    engine: EngineLimits
+    routing: str = "load"
+    local_threshold: int = 0  # "load" routing: prompts this short (uncached) prefill on decode
+    route_costs: RouteCosts = RouteCosts()
+    gpus_per_worker: int = 1  # tensor parallel ranks: what a worker costs
+
+    def __post_init__(self) -> None:
+        if self.prefill_workers < 0 or self.decode_workers < 1:
+            raise SimulationError("a deployment needs >= 0 prefill and >= 1 decode workers")
+        if self.routing not in POLICIES:
+            raise SimulationError(f"routing must be one of {', '.join(POLICIES)}")
+
+    @property
+    def colocated(self) -> bool:
+        return self.prefill_workers == 0
+
+    @property
+    def num_workers(self) -> int:
+        return self.prefill_workers + self.decode_workers
+
+    @property
+    def num_gpus(self) -> int:
+        return self.num_workers * self.gpus_per_worker
+
+    def describe(self) -> str:
+        if self.colocated:
+            return f"{self.decode_workers} colocated"
+        return f"{self.prefill_workers}P{self.decode_workers}D"
+
+
+@dataclass(frozen=True)
+class KVSize:
+    """Bytes of KV one token holds in one layer (K and V, every KV head), and the layers."""
+
+    bytes_per_token_layer: int
+    num_layers: int
+
+
+@dataclass(frozen=True)
+class Costs:
+    """Seconds: one engine step from its shape; one layer of KV from its bytes (None: free)."""
+
+    step: StepCostModel
+    transfer: TransferCostModel | None = None
+    kv: KVSize = KVSize(0, 1)
+
+
+@dataclass(frozen=True)
+class Overheads:
+    """Seconds the serving path adds around engine steps (measured on a real server; 0 leaves
+    the engines alone). `stats_interval` is the coordinator's stats poll: the router's view
+    of free blocks, queues and cached prefixes is that old."""
+
+    step_gap: float = 0.0  # between one step's end and the next step's start, on a worker
+    dispatch: float = 0.0  # the client sends -> the coordinator routes it
+    handover: float = 0.0  # KV in place on the decode worker -> first token out, request admitted
+    delivery: float = 0.0  # a step's tokens -> the client
+    stats_interval: float = 1.0
+    reserve_retry: float = 0.05  # no decode worker had room: try again after this
+    failure_detect: float = 1.0  # a worker dies -> its requests are placed again
+    worker_start: float = 60.0  # a new worker: asked for -> serving (model load, warm-up)
+    role_switch: float = 5.0  # a drained worker moves to the other pool
+
+
+@dataclass(frozen=True)
+class Fault:
+    """Worker `worker_id` dies at `at` seconds."""
+
+    at: float
+    worker_id: str
+
+
+@dataclass(frozen=True)
+class Scenario:
+    deployment: Deployment
+    costs: Costs
+    overheads: Overheads = Overheads()
+    faults: tuple[Fault, ...] = field(default=())

@@ -1,0 +1,93 @@
+"""A simulated worker: the real scheduler and block manager, with steps that take modelled time.
+
+Nothing here computes: a step's plan comes from `engine.scheduler.Scheduler` exactly as on a
+real worker, its length from the fitted per-step cost model, and the tokens it "samples" are
+made up. Reservations follow `LLMEngine.reserve` (prefix hits taken, blocks for the rest).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence as Sequence_
+from dataclasses import dataclass, field
+
+from engine.block_manager import BlockManager
+from engine.scheduler import Scheduler, SchedulerConfig
+from engine.sequence import Sequence
+from protocol.sampling import FinishReason, SamplingParams
+from simulation.deployment import EngineLimits
+
+PARAMS = SamplingParams(max_tokens=1 << 30)  # the simulator ends requests itself
+
+
+@dataclass
+class SimWorker:
+    worker_id: str
+    pool: str  # "prefill" or "decode" (colocated workers are decode workers)
+    limits: EngineLimits
+    blocks: BlockManager = field(init=False)
+    scheduler: Scheduler = field(init=False)
+    alive: bool = True
+    stepping: bool = False
+    reserved: dict[str, Sequence] = field(default_factory=dict)  # KV on its way
+    cache_events: list[tuple[int, bool]] = field(default_factory=list)  # since the last poll
+    link_free_at: float = 0.0  # a prefill worker's KV sender: busy until then
+    busy_seconds: float = 0.0
+    num_steps: int = 0
+
+    def __post_init__(self) -> None:
+        lim = self.limits
+        self.blocks = BlockManager(lim.num_blocks, lim.block_size, lim.enable_prefix_caching)
+        self.blocks.on_cache_change = lambda digest, stored: self.cache_events.append(
+            (digest, stored)
+        )
+        self.scheduler = Scheduler(
+            SchedulerConfig(lim.max_num_seqs, lim.max_num_batched_tokens), self.blocks
+        )
+
+    def new_sequence(self, key: str, token_ids: Sequence_[int], num_prompt: int) -> Sequence:
+        ids = token_ids.copy() if hasattr(token_ids, "copy") else list(token_ids)
+        return Sequence(key, ids, num_prompt, PARAMS)  # type: ignore[arg-type]
+
+    def has_room(self) -> bool:
+        """`LLMEngine.has_room`: running plus promised stay under max_num_seqs."""
+        return len(self.scheduler.running) + len(self.reserved) < self.limits.max_num_seqs
+
+    def reserve(self, seq: Sequence) -> bool:
+        """`LLMEngine.reserve`: blocks for every token, prefix hits taken; False if no room."""
+        if not self.has_room():
+            return False
+        hits = self.blocks.match_prefix(seq.token_ids)
+        table = self.blocks.allocate_prefix(hits, seq.num_tokens)
+        if table is None:
+            return False
+        bs = self.limits.block_size
+        self.blocks.count_query(seq.num_tokens, min(len(hits) * bs, seq.num_tokens))
+        seq.block_table, seq.num_hashed_blocks = table, len(hits)
+        self.reserved[seq.request_id] = seq
+        return True
+
+    def admit(self, key: str) -> Sequence:
+        """`LLMEngine.admit`: the reserved request's KV is here; it joins the batch."""
+        seq = self.reserved.pop(key)
+        self.scheduler.add_running(seq)
+        return seq
+
+    def drop(self, key: str, seq: Sequence | None) -> None:
+        """Ends whatever this worker holds of a request (its reservation or its sequence)."""
+        reserved = self.reserved.pop(key, None)
+        if reserved is not None:
+            self.blocks.free_blocks(reserved.block_table)
+            reserved.block_table = []
+        if seq is not None and not seq.is_finished:
+            self.scheduler.finish(seq, FinishReason.ABORT)
+
+    @property
+    def queued_prompt_tokens(self) -> int:
+        """What its stats report as queued prefill: prompt tokens admitted, not yet computed."""
+        sched = self.scheduler
+        in_prefill = [s for s in sched.running if s.num_uncomputed_tokens > 1]
+        return sum(s.num_uncomputed_tokens for s in (*in_prefill, *sched.waiting))
+
+    @property
+    def idle(self) -> bool:
+        return not self.scheduler.num_unfinished and not self.reserved

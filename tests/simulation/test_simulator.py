@@ -1,0 +1,197 @@
+"""The simulator: exact timings on cases worked out by hand, the real router and scheduler at
+work (prefix-aware placement, preemption-free admission limits), faults, closed-loop clients,
+and nothing left held in any worker's KV pool at the end."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from coordinator.router import prefix_hashes
+from loadtest.config import DatasetConfig, LoadConfig, PrefixRepetitionSpec, RandomSpec
+from planning.cost_model import StepCostModel
+from planning.nnls import FitStats
+from planning.transfer_model import TransferCostModel
+from simulation.cluster import Simulation
+from simulation.deployment import (
+    Costs,
+    Deployment,
+    EngineLimits,
+    Fault,
+    KVSize,
+    Overheads,
+    Scenario,
+)
+from simulation.report import simulated_record
+from simulation.workload import SimRequest, TokenIds, synthetic_requests
+
+STEP = 0.010  # seconds, every step, whatever its shape
+STATS = FitStats(1, 0.0, 0, None)
+
+
+def step_model(**coefficients: float) -> StepCostModel:
+    coefficients = {"step": STEP, **coefficients}
+    return StepCostModel(tuple(coefficients), tuple(coefficients.values()), 16, 1024, STATS)
+
+
+def scenario(
+    prefill: int,
+    decode: int,
+    *,
+    num_blocks: int = 256,
+    routing: str = "load",
+    costs: Costs | None = None,
+    overheads: Overheads | None = None,
+    faults: tuple[Fault, ...] = (),
+    max_num_seqs: int = 64,
+) -> Scenario:
+    engine = EngineLimits(num_blocks, 16, max_num_seqs, 2048)
+    return Scenario(
+        Deployment(prefill, decode, engine, routing),
+        costs or Costs(step_model()),
+        overheads or Overheads(),
+        faults,
+    )
+
+
+def prompt(length: int, base: int, prefix: tuple[int, int] = (0, 0)) -> TokenIds:
+    prefix_base, prefix_len = prefix
+    return TokenIds(prefix_base, prefix_len, base, length)
+
+
+def assert_nothing_held(sim: Simulation) -> None:
+    for worker in sim.workers.values():
+        held = [b for b in range(worker.blocks.num_blocks) if worker.blocks.ref_counts[b]]
+        assert held == [], f"{worker.worker_id} still holds blocks {held[:8]}"
+        assert not worker.reserved and not worker.scheduler.num_unfinished
+
+
+def test_token_ids_share_exactly_their_prefix():
+    a = prompt(100, 10_000, prefix=(500, 48))
+    b = prompt(100, 20_000, prefix=(500, 48))
+    assert len(a) == 100 and a[0] == 500 and a[47] == 547 and a[48] == 10_048
+    assert a[40:56] == [540 + i for i in range(8)] + [10_048 + i for i in range(8)]
+    assert list(a) == a[:] and a[-1] == a[99]
+    ha, hb = prefix_hashes(a, 16), prefix_hashes(b, 16)
+    assert ha[:3] == hb[:3] and ha[3] != hb[3]  # 48 shared tokens = 3 blocks
+    a.append(7)
+    assert len(a) == 101 and a[100] == 10_100  # made up, and new
+
+
+def test_colocated_request_timing_is_one_step_per_token():
+    sim = Simulation(scenario(0, 1), [SimRequest(0.0, prompt(100, 1 << 20), 5)])
+    outcome = sim.run()
+    (run,) = outcome.runs
+    # step 1 prefills the whole prompt and samples token 1; steps 2-5 decode one token each
+    assert list(run.token_times) == pytest.approx([STEP * k for k in range(1, 6)])
+    assert outcome.duration_s == pytest.approx(5 * STEP)
+    assert_nothing_held(sim)
+
+
+def test_disaggregated_ttft_pays_the_exposed_transfer_and_handover():
+    layers, per_layer = 4, 0.001  # each layer's send: 1 ms, after its layer computed
+    transfer = TransferCostModel(per_layer, 0.0, STATS)
+    costs = Costs(step_model(), transfer, KVSize(1024, layers))
+    overheads = Overheads(handover=0.002)
+    sim = Simulation(
+        scenario(1, 1, costs=costs, overheads=overheads), [SimRequest(0.0, prompt(100, 1 << 20), 3)]
+    )
+    (run,) = sim.run().runs
+    # layers computed at 2.5, 5, 7.5, 10 ms; sends end 3.5, 6, 8.5, 11 ms; +2 ms handover
+    first = 0.011 + 0.002
+    assert list(run.token_times) == pytest.approx([first, first + STEP, first + 2 * STEP])
+    assert run.route is not None and run.route.prefill_id is None  # handed over
+    assert_nothing_held(sim)
+
+
+def test_a_slow_link_serializes_layers_behind_the_step():
+    layers, per_layer = 4, 0.005  # sends slower than layers: the link sets the pace
+    costs = Costs(step_model(), TransferCostModel(per_layer, 0.0, STATS), KVSize(1, layers))
+    sim = Simulation(scenario(1, 1, costs=costs), [SimRequest(0.0, prompt(64, 1 << 20), 1)])
+    (run,) = sim.run().runs
+    assert run.token_times[0] == pytest.approx(0.0025 + 4 * per_layer)
+
+
+def test_batched_steps_cost_what_the_model_says():
+    # 2 ms per decoding sequence: two requests decoding together take 10 + 4 ms a step
+    sim = Simulation(
+        scenario(0, 1, costs=Costs(step_model(decode_seqs=0.002))),
+        [SimRequest(0.0, prompt(32, 1 << 20), 3), SimRequest(0.0, prompt(32, 1 << 21), 3)],
+    )
+    outcome = sim.run()
+    for run in outcome.runs:  # one prefill step for both, then two decode steps of 14 ms
+        assert list(run.token_times) == pytest.approx([0.010, 0.024, 0.038])
+
+
+def test_max_concurrency_sends_the_next_request_when_one_finishes():
+    requests = [SimRequest(0.0, prompt(32, (i + 1) << 20), 2) for i in range(3)]
+    sim = Simulation(scenario(0, 1), requests, LoadConfig(max_concurrency=1))
+    runs = sim.run().runs
+    assert [r.sent_at for r in runs] == pytest.approx([0.0, 0.020, 0.040])
+    assert [r.finished_at for r in runs] == pytest.approx([0.020, 0.040, 0.060])
+
+
+def test_admission_respects_max_num_seqs():
+    requests = [SimRequest(0.0, prompt(16, (i + 1) << 20), 4) for i in range(4)]
+    sim = Simulation(scenario(0, 1, max_num_seqs=2), requests)
+    runs = sim.run().runs
+    firsts = sorted(r.token_times[0] for r in runs)
+    assert firsts[:2] == pytest.approx([STEP, STEP])  # two admitted at once
+    assert firsts[2] == pytest.approx(5 * STEP)  # the others wait for a slot
+
+
+def test_cost_routing_sends_a_cached_prefix_back_to_its_worker():
+    shared = (1 << 30, 256)
+    first = SimRequest(0.0, prompt(288, 1 << 20, shared), 4)
+    later = SimRequest(2.5, prompt(288, 1 << 21, shared), 4)  # after a stats poll
+    others = [SimRequest(2.4, prompt(288, (5 + i) << 20), 64) for i in range(1)]
+    sim = Simulation(scenario(0, 2, routing="cost"), [first, *others, later])
+    runs = sim.run().runs
+    assert runs[0].token_times and runs[2].token_times
+    chosen = {w.worker_id: w.blocks.prefix_hits for w in sim.workers.values()}
+    assert max(chosen.values()) == 256  # the second prompt found all 256 prefix tokens cached
+    assert_nothing_held(sim)
+
+
+def test_a_dead_decode_worker_turns_into_retries_not_lost_requests():
+    load = LoadConfig(request_rate=20.0, seed=1)
+    requests = synthetic_requests(DatasetConfig(RandomSpec(64, 32), 40, seed=1), load)
+    sim = Simulation(scenario(1, 2, faults=(Fault(0.5, "decode-0"),)), requests, load)
+    outcome = sim.run()
+    done = [r for r in outcome.runs if r.error is None]
+    assert len(done) == 40
+    assert all(len(r.token_times) == r.request.output_len for r in done)
+    assert any(r.attempts for r in done)  # some were on decode-0 when it died
+    after = [r for r in done if r.finished_at > 0.5]
+    assert after and all(r.route is not None and r.route.decode_id != "decode-0" for r in after)
+    for worker in sim.workers.values():
+        if worker.alive:
+            assert not worker.reserved and not worker.scheduler.num_unfinished
+            assert worker.blocks.num_free_blocks == worker.blocks.num_blocks
+
+
+def test_no_live_decode_worker_fails_requests_instead_of_hanging():
+    load = LoadConfig(request_rate=10.0)
+    requests = synthetic_requests(DatasetConfig(RandomSpec(32, 16), 10), load)
+    faults = (Fault(0.2, "worker-0"),)
+    outcome = Simulation(scenario(0, 1, faults=faults), requests, load).run()
+    errors = [r.error for r in outcome.runs]
+    assert all(e is not None for e in errors[3:])  # after the death nothing can serve
+    assert outcome.num_unsent == 0
+
+
+def test_the_record_has_tandem_bench_keys():
+    load = LoadConfig(request_rate=8.0)
+    spec = PrefixRepetitionSpec(num_prefixes=2, prefix_len=64, suffix_len=32, output_len=8)
+    requests = synthetic_requests(DatasetConfig(spec, 16), load)
+    sc = scenario(1, 2, routing="cost")
+    outcome = Simulation(sc, requests, load).run()
+    record = simulated_record(outcome, sc, load, dataset_name=spec.name)
+    for key in ("completed", "output_throughput", "median_ttft_ms", "p99_itl_ms", "itls"):
+        assert key in record
+    assert record["completed"] == 16 and record["failed"] == 0
+    assert record["total_output_tokens"] == 16 * 8
+    assert len(record["itls"]) == 16 and all(len(i) == 7 for i in record["itls"])
+    assert record["simulation"]["deployment"] == "1P2D"
+    assert math.isclose(record["median_itl_ms"], STEP * 1000)
