@@ -16,7 +16,7 @@ from typing import TextIO
 import httpx
 
 from loadtest.client import RequestResult
-from loadtest.config import BenchConfig, GoodputSLO, LoadConfig
+from loadtest.config import BenchConfig, LoadConfig
 from loadtest.datasets import sample_requests
 from loadtest.errors import BenchError
 from loadtest.metrics import compute_metrics
