@@ -9,7 +9,7 @@ import os
 import sys
 from collections.abc import Callable, Sequence
 
-from cli import generate, pool, profile, serve, simulate
+from cli import generate, plan, pool, profile, serve, simulate
 from cli.errors import CliError
 from loadtest import cli as bench_cli
 from loadtest.errors import BenchError
@@ -34,6 +34,7 @@ def build_parser() -> argparse.ArgumentParser:
     pool.add_parser(commands)
     profile.add_parser(commands)
     simulate.add_parser(commands)
+    plan.add_parser(commands)
     return parser
 
 

@@ -52,7 +52,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         action="store_true",
         help="leave the per-request lists out of the saved JSON (long traces)",
     )
-    add_bench_flags(p)
+    add_bench_flags(p, taken=("--profile",))
     p.set_defaults(run=run)
 
 
@@ -94,7 +94,7 @@ def run(args: argparse.Namespace) -> int:
 
     bench = config_from_args(args)
     scenario = scenario_from_args(args)
-    requests = _requests(args, bench)
+    requests = requests_from_args(args, bench)
     outcome = Simulation(scenario, requests, bench.load).run()
     name = "trace" if args.trace else bench.dataset.spec.name
     record = simulated_record(
@@ -201,7 +201,7 @@ def _kv_size(args: argparse.Namespace):  # noqa: ANN202
     return KVSize(per_token_layer, cfg.num_layers), num_blocks
 
 
-def _requests(args: argparse.Namespace, bench: BenchConfig) -> list[SimRequest]:
+def requests_from_args(args: argparse.Namespace, bench: BenchConfig) -> list[SimRequest]:
     from simulation.workload import (
         SimulationError,
         from_samples,
@@ -210,7 +210,7 @@ def _requests(args: argparse.Namespace, bench: BenchConfig) -> list[SimRequest]:
     )
 
     try:
-        if args.trace is not None:
+        if getattr(args, "trace", None) is not None:
             return load_trace(args.trace)
         if bench.tokenizer is None:
             return synthetic_requests(bench.dataset, bench.load)

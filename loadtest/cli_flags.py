@@ -23,12 +23,13 @@ DATASET_ALIASES = {"prefix-repetition": "prefix_repetition"}  # tandem's earlier
 BACKENDS = ("openai", "openai-chat", "vllm")
 
 
-def add_bench_flags(parser: argparse.ArgumentParser) -> None:
+def add_bench_flags(parser: argparse.ArgumentParser, taken: tuple[str, ...] = ()) -> None:
+    """`taken`: flags the command defines itself (tandem plan's --profile), not refused."""
     _add_target_flags(parser.add_argument_group("target"))
     _add_dataset_flags(parser.add_argument_group("workload"))
     _add_load_flags(parser.add_argument_group("load and sampling"))
     _add_output_flags(parser.add_argument_group("metrics and output"))
-    add_refused_flags(parser)
+    add_refused_flags(parser, taken)
 
 
 def _add_target_flags(g: argparse._ArgumentGroup) -> None:

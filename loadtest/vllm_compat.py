@@ -99,9 +99,11 @@ REFUSED = (
 )
 
 
-def add_refused_flags(parser: argparse.ArgumentParser) -> None:
-    """Registers every refused flag, hidden from --help."""
+def add_refused_flags(parser: argparse.ArgumentParser, taken: tuple[str, ...] = ()) -> None:
+    """Registers every refused flag but those in `taken`, hidden from --help."""
     for refused in REFUSED:
+        if refused.flag in taken:
+            continue
         if refused.arity is Arity.SWITCH:
             parser.add_argument(
                 refused.flag, dest=refused.dest, action="store_true", help=argparse.SUPPRESS
@@ -116,7 +118,7 @@ def add_refused_flags(parser: argparse.ArgumentParser) -> None:
 def refuse_unhonoured(args: argparse.Namespace) -> None:
     """Raises BenchError naming the first refused flag given with an effect."""
     for refused in REFUSED:
-        value = getattr(args, refused.dest)
+        value = getattr(args, refused.dest, None)
         if value is None or value is False:
             continue
         if isinstance(value, str) and refused.harmless and refused.harmless(value):

@@ -1,0 +1,233 @@
+"""Simulator fidelity: `tandem simulate` against real `tandem serve` runs of the same workload.
+
+    python benchmarks/simulator_fidelity.py [--model DIR] [--layouts colocated 1P1D 2P1D] \
+        [--mixes short long] [--loads 0.3 0.6 0.9] [--duration 30] [--json results/fidelity.json]
+
+Per layout, one `tandem serve` process:
+  1. calibration: `tandem bench` at --max-concurrency 16 (saturating); its request throughput is
+     the layout's capacity, and the engine steps it ran (GET /admin/telemetry) are fitted into the
+     layout's step cost model, with the host gap between steps (what `tandem profile
+     --from-telemetry` does; the model is never fitted on the runs it is scored on);
+  2. per mix and load: `tandem bench` with Poisson arrivals at that fraction of capacity, and the
+     simulator on the very same prompts and arrival times (same dataset flags, tokenizer, seed).
+Reported: TTFT and ITL p50/p99 real vs simulated and their errors, and SLO attainment (share of
+requests with TTFT and TPOT under --slo-ttft-ms / --slo-tpot-ms) in both, with its difference in
+percentage points. Targets (issue 17): TTFT p50 within 10%, p99 within 15%; ITL p50 within 5%,
+p99 within 10%; attainment within 2 points.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from loadtest.config import DatasetConfig, LoadConfig, MixedSpec, RandomSpec  # noqa: E402
+from loadtest.datasets import sample_requests  # noqa: E402
+from loadtest.serve_process import ServeProcess  # noqa: E402
+from loadtest.token_count import LocalTokenizer  # noqa: E402
+from planning.cost_model import ProfileInfo, StepCostModel, fit  # noqa: E402
+from planning.records import load_records, split_every  # noqa: E402
+from protocol.telemetry import StepRecord  # noqa: E402
+from simulation.cluster import Simulation  # noqa: E402
+from simulation.deployment import Costs, Deployment, EngineLimits, Overheads, Scenario  # noqa: E402
+from simulation.report import simulated_record  # noqa: E402
+from simulation.workload import from_samples  # noqa: E402
+
+START_TIMEOUT_S = 600.0
+LAYOUTS = {"colocated": (0, 1), "1P1D": (1, 1), "2P1D": (2, 1), "1P2D": (1, 2)}
+MIXES = {  # name: (dataset flags, spec)
+    "short": (
+        ["--dataset-name", "random", "--random-input-len", "100", "--random-output-len", "64",
+         "--random-range-ratio", "0.5"],
+        RandomSpec(input_len=100, output_len=64, range_ratio=0.5),
+    ),
+    "long": (
+        ["--dataset-name", "mixed", "--mixed-short-len", "100", "--mixed-long-len", "800",
+         "--mixed-long-fraction", "0.2", "--random-output-len", "64"],
+        MixedSpec(short_len=100, long_len=800, long_fraction=0.2, output_len=64),
+    ),
+}  # fmt: skip
+CALIBRATION_CONCURRENCY = 16
+MAX_STEP_GAP_S = 0.05  # longer pauses between steps are idle time, not per-step host work
+TARGETS = {"ttft_p50": 10, "ttft_p99": 15, "itl_p50": 5, "itl_p99": 10}  # % error allowed
+
+
+def bench(url: str, model: Path, flags: list[str], out: Path, extra: list[str]) -> dict:
+    command = [
+        sys.executable, "-m", "cli.main", "bench", "--base-url", url, "--model", model.name,
+        "--tokenizer", str(model), *flags, *extra, "--ignore-eos", "--disable-tqdm",
+        "--save-result", "--result-dir", str(out.parent), "--result-filename", out.name,
+    ]  # fmt: skip
+    with open(out.with_suffix(".txt"), "w") as report:
+        done = subprocess.run(command, cwd=ROOT, stdout=report, stderr=report, check=False)
+    if done.returncode != 0:
+        raise SystemExit(f"tandem bench failed (exit {done.returncode}); see {report.name}")
+    return json.loads(out.read_text())
+
+
+def step_gap(records: list[StepRecord]) -> float:
+    """Median host time between one step's end and the next one's start, while busy."""
+    gaps = [
+        b.end - b.seconds - a.end
+        for a, b in zip(records[:-1], records[1:], strict=True)
+        if 0 <= b.end - b.seconds - a.end < MAX_STEP_GAP_S
+    ]
+    return statistics.median(gaps) if gaps else 0.0
+
+
+def calibrate(url: str, work: Path, name: str) -> tuple[StepCostModel, float, int]:
+    """The layout's step model (fitted on its served steps), step gap, and steps fitted."""
+    reply = httpx.get(f"{url}/admin/telemetry?limit=4096", timeout=30, trust_env=False).json()
+    path = work / f"{name}-telemetry.json"
+    path.write_text(json.dumps(reply))
+    per_worker = [
+        [StepRecord(**{k: s[k] for k in StepRecord._fields}) for s in w.get("steps", [])]
+        for w in reply["workers"].values()
+    ]
+    gaps = [step_gap(sorted(r, key=lambda s: s.end)) for r in per_worker if len(r) > 2]
+    records = load_records(path)
+    train, heldout = split_every(records, 5)
+    model = fit(train, heldout, ProfileInfo(model=name, source="telemetry"))
+    return model, statistics.median(gaps) if gaps else 0.0, len(records)
+
+
+def attainment(record: dict, ttft_ms: float, tpot_ms: float) -> float:
+    good = 0
+    rows = zip(record["ttfts"], record["latencies"], record["output_lens"], strict=True)
+    for ttft, latency, n_out in rows:
+        tpot = (latency - ttft) / (n_out - 1) if n_out > 1 else 0.0
+        good += ttft > 0 and ttft * 1e3 <= ttft_ms and tpot * 1e3 <= tpot_ms
+    return good / max(len(record["ttfts"]), 1)
+
+
+def compare(real: dict, sim: dict, args: argparse.Namespace) -> dict:
+    row: dict[str, float] = {}
+    for metric in ("ttft", "itl"):
+        for pct, key in (("p50", f"median_{metric}_ms"), ("p99", f"p99_{metric}_ms")):
+            r, s = real[key], sim[key]
+            row[f"{metric}_{pct}_real"], row[f"{metric}_{pct}_sim"] = r, s
+            row[f"{metric}_{pct}_err_pct"] = (s - r) / r * 100 if r else 0.0
+    row["slo_real"] = attainment(real, args.slo_ttft_ms, args.slo_tpot_ms)
+    row["slo_sim"] = attainment(sim, args.slo_ttft_ms, args.slo_tpot_ms)
+    row["slo_diff_pts"] = (row["slo_sim"] - row["slo_real"]) * 100
+    row["tok_s_real"], row["tok_s_sim"] = real["output_throughput"], sim["output_throughput"]
+    return row
+
+
+def run_layout(model: Path, layout: str, args: argparse.Namespace, work: Path) -> list[dict]:
+    prefill, decode = LAYOUTS[layout]
+    mode = "colocated" if prefill == 0 else "disaggregated"
+    serve = ["--model", str(model), "--mode", mode, "--prefill-workers", str(prefill),
+             "--decode-workers", str(decode), "--log-level", "warning"]  # fmt: skip
+    tokenizer = LocalTokenizer(model)
+    rows = []
+    with ServeProcess(serve, work / f"{layout}.log") as server:
+        server.wait_healthy(START_TIMEOUT_S)
+        for mix in args.mixes:
+            flags, spec = MIXES[mix]
+            calib = bench(server.url, model, flags, work / f"{layout}-{mix}-calib.json", [
+                "--num-prompts", str(args.calibration_prompts),
+                "--max-concurrency", str(CALIBRATION_CONCURRENCY), "--seed", "99",
+            ])  # fmt: skip
+            capacity = calib["request_throughput"]
+            step, gap, fitted = calibrate(server.url, work, f"{layout}-{mix}")
+            for fraction in args.loads:
+                rate = round(fraction * capacity, 3)
+                count = max(20, round(rate * args.duration))
+                real = bench(server.url, model, flags, work / f"{layout}-{mix}-{fraction}.json", [
+                    "--num-prompts", str(count), "--request-rate", str(rate),
+                    "--seed", str(args.seed),
+                ])  # fmt: skip
+                load = LoadConfig(request_rate=rate, seed=args.seed)
+                samples = sample_requests(DatasetConfig(spec, count, args.seed), tokenizer)
+                requests = from_samples(samples, tokenizer.encode, load)
+                scenario = Scenario(
+                    Deployment(prefill, decode, EngineLimits(args.num_kv_blocks)),
+                    Costs(step),
+                    Overheads(step_gap=gap, dispatch=args.dispatch_ms / 1e3),
+                )
+                sim = simulated_record(Simulation(scenario, requests, load).run(), scenario, load)
+                row = {"layout": layout, "mix": mix, "load": fraction, "rate": rate,
+                       "capacity_req_s": capacity, "fitted_steps": fitted,
+                       "fit_heldout_mae_pct": step.stats.heldout_mae_pct,
+                       "step_gap_ms": gap * 1e3, **compare(real, sim, args)}  # fmt: skip
+                rows.append(row)
+                print(json.dumps(row), file=sys.stderr, flush=True)
+    return rows
+
+
+def format_table(rows: list[dict]) -> str:
+    head = (
+        "| layout | mix | load | TTFT p50 real/sim ms (err) | TTFT p99 (err) | "
+        "ITL p50 (err) | ITL p99 (err) | SLO real/sim (pts) |"
+    )
+    lines = [head, "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        cells = []
+        for key in ("ttft_p50", "ttft_p99", "itl_p50", "itl_p99"):
+            cells.append(
+                f"{r[key + '_real']:.0f}/{r[key + '_sim']:.0f} ({r[key + '_err_pct']:+.0f}%)"
+            )
+        slo = f"{r['slo_real']:.0%}/{r['slo_sim']:.0%} ({r['slo_diff_pts']:+.1f})"
+        lines.append(
+            f"| {r['layout']} | {r['mix']} | {r['load']:.0%} | {' | '.join(cells)} | {slo} |"
+        )
+    met = {
+        key: sum(abs(r[key + "_err_pct"]) <= limit for r in rows) for key, limit in TARGETS.items()
+    }
+    met["slo"] = sum(abs(r["slo_diff_pts"]) <= 2 for r in rows)
+    lines.append("")
+    lines.append("within target: " + ", ".join(f"{k} {v}/{len(rows)}" for k, v in met.items()))
+    return "\n".join(lines)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", type=Path, default=None, help="default: SmolLM2-135M-Instruct")
+    p.add_argument(
+        "--layouts", nargs="+", choices=list(LAYOUTS), default=["colocated", "1P1D", "2P1D"]
+    )
+    p.add_argument("--mixes", nargs="+", choices=list(MIXES), default=["short"])
+    p.add_argument("--loads", nargs="+", type=float, default=[0.3, 0.6, 0.9])
+    p.add_argument("--duration", type=float, default=30.0, help="seconds of arrivals per load")
+    p.add_argument("--calibration-prompts", type=int, default=48)
+    p.add_argument("--num-kv-blocks", type=int, default=2912, help="what 1 GiB holds of SmolLM2")
+    p.add_argument("--dispatch-ms", type=float, default=2.0, help="HTTP + tokenize + route")
+    p.add_argument("--slo-ttft-ms", type=float, default=500.0)
+    p.add_argument("--slo-tpot-ms", type=float, default=60.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", type=Path, default=None)
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.model is None:
+        from engine.fetch import fetch_default_model
+
+        args.model = fetch_default_model()
+    rows: list[dict] = []
+    with tempfile.TemporaryDirectory(prefix="tandem-fidelity-") as tmp:
+        for layout in args.layouts:
+            rows += run_layout(args.model, layout, args, Path(tmp))
+    print(format_table(rows))
+    if args.json is not None:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(
+            json.dumps({"settings": vars(args), "rows": rows}, indent=2, default=str)
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,87 @@
+"""`tandem simulate` and `tandem plan` from the command line: tandem bench's flags in, tandem
+bench's JSON out (comparable with `tandem bench compare`), plans that pick a feasible layout or
+say there is none, and one-line errors for bad input."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from cli.main import main
+from loadtest.results import load_record
+
+PROFILE = Path(__file__).resolve().parents[1] / "simulation" / "data" / "smollm2-cpu-1thread.json"
+WORKLOAD = [
+    "--dataset-name", "random", "--random-input-len", "120", "--random-output-len", "16",
+    "--num-prompts", "30", "--request-rate", "4", "--num-kv-blocks", "512",
+]  # fmt: skip
+
+
+def test_simulate_saves_a_bench_record_that_compare_reads(tmp_path, capsys):
+    args = ["simulate", "--profile", str(PROFILE), "--prefill-workers", "1", "--decode-workers",
+            "2", *WORKLOAD, "--save-result", "--result-dir", str(tmp_path),
+            "--result-filename", "sim.json", "--goodput", "ttft:500", "tpot:60"]  # fmt: skip
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert "Median TTFT (ms)" in out and "1P2D" in out
+    record = load_record(tmp_path / "sim.json")
+    assert record["completed"] == 30 and record["total_output_tokens"] == 30 * 16
+    assert record["simulation"]["decode_workers"] == 2
+    assert record["request_goodput"] is not None
+    assert main(["bench", "compare", str(tmp_path / "sim.json"), str(tmp_path / "sim.json")]) == 0
+
+
+def test_simulate_colocated_with_a_killed_worker_still_serves(tmp_path, capsys):
+    args = ["simulate", "--profile", str(PROFILE), "--mode", "colocated", "--decode-workers",
+            "2", *WORKLOAD, "--kill", "worker-1@2", "--save-result", "--result-dir",
+            str(tmp_path), "--result-filename", "k.json"]  # fmt: skip
+    assert main(args) == 0
+    record = json.loads((tmp_path / "k.json").read_text())
+    assert record["completed"] == 30 and record["failed"] == 0
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (["--kill", "decode-0"], "WORKER@SECONDS"),
+        (["--decode-workers", "0"], "decode workers"),
+        (["--routing", "cost", "--num-kv-blocks", "0"], "num_blocks"),
+    ],
+)
+def test_bad_simulate_input_is_one_line(extra, message, capsys):
+    assert main(["simulate", "--profile", str(PROFILE), *WORKLOAD, *extra]) == 1
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
+
+
+def test_simulate_without_a_profile_says_what_to_give(capsys):
+    assert main(["simulate", *WORKLOAD]) == 1
+    assert "--profile" in capsys.readouterr().err
+
+
+def test_plan_picks_a_layout_that_meets_the_slo(tmp_path, capsys):
+    args = ["plan", "--profile", str(PROFILE), "--gpus", "3", "--slo",
+            "ttft_p99=2s,itl_p99=80ms", *WORKLOAD, "--plan-json", str(tmp_path / "p.json")]  # fmt: skip
+    assert main(args) == 0
+    plan = json.loads((tmp_path / "p.json").read_text())
+    layouts = {c["layout"] for c in plan["candidates"]}
+    assert layouts == {"3 colocated", "1P2D", "2P1D"}
+    best = plan["best"]
+    assert best["feasible"] and best["predicted_ms"]["p99_ttft_ms"] <= 2000
+    feasible = [c for c in plan["candidates"] if c["feasible"]]
+    assert best["goodput_per_gpu"] == max(c["goodput_per_gpu"] for c in feasible)
+    assert "plan:" in capsys.readouterr().out
+
+
+def test_plan_reports_an_slo_no_layout_meets(capsys):
+    args = ["plan", "--profile", str(PROFILE), "--gpus", "2", "--slo", "itl_p99=1ms", *WORKLOAD]
+    assert main(args) == 3
+    assert "infeasible" in capsys.readouterr().out
+
+
+def test_plan_rejects_a_malformed_slo(capsys):
+    args = ["plan", "--profile", str(PROFILE), "--gpus", "2", "--slo", "ttft=2s", *WORKLOAD]
+    assert main(args) == 1
+    assert "metric_pNN=limit" in capsys.readouterr().err
