@@ -62,8 +62,9 @@ def test_simulate_without_a_profile_says_what_to_give(capsys):
 
 
 def test_plan_picks_a_layout_that_meets_the_slo(tmp_path, capsys):
-    args = ["plan", "--profile", str(PROFILE), "--gpus", "3", "--slo",
-            "ttft_p99=2s,itl_p99=80ms", *WORKLOAD, "--plan-json", str(tmp_path / "p.json")]  # fmt: skip
+    slo = "ttft_p99=2s,itl_p99=80ms"
+    args = ["plan", "--profile", str(PROFILE), "--gpus", "3", "--slo", slo, *WORKLOAD,
+            "--plan-json", str(tmp_path / "p.json")]  # fmt: skip
     assert main(args) == 0
     plan = json.loads((tmp_path / "p.json").read_text())
     layouts = {c["layout"] for c in plan["candidates"]}
