@@ -56,6 +56,7 @@ class Run:
     attempts: int = 0
     avoid: set[str] = field(default_factory=set)
     resume_ids: Sequence[int] | None = None  # prompt and output of a lost attempt
+    max_attempts_bonus: int = 0  # attempts ended by a pool change, not a failure
     error: str | None = None
 
     @property
@@ -133,6 +134,8 @@ class Simulation:
             self.workers[worker_id] = SimWorker(worker_id, "decode", dep.engine)
         self._holders: dict[str, set[Run]] = {w: set() for w in self.workers}
         self._waiting_to_send: deque[Run] = deque()
+        self.sent: deque[tuple[float, int, int]] = deque()  # (when, prompt, output), for planners
+        self.finished: deque[Run] = deque()  # in finishing order, for planners
         self._in_flight = 0
         self._unfinished = len(self.runs)
         self.samples: list[WorkerSample] = []
@@ -177,11 +180,13 @@ class Simulation:
     def _send(self, run: Run) -> None:
         self._in_flight += 1
         run.sent_at = self.now
+        self.sent.append((self.now, len(run.request.prompt_ids), run.request.output_len))
         self.at(self.now + self.scenario.overheads.dispatch, self._place, run)
 
     def _done(self, run: Run, error: str | None = None) -> None:
         run.finished_at = self.now
         run.error = error
+        self.finished.append(run)
         self._in_flight -= 1
         self._unfinished -= 1
         if self._waiting_to_send:
@@ -261,6 +266,7 @@ class Simulation:
                     worker.busy_seconds,
                 )
             )
+        self._retire_drained()
         if self.on_poll is not None:
             self.on_poll(self)
         if not self._events:  # nothing left that could ever move a request on
@@ -279,10 +285,10 @@ class Simulation:
         if worker.stepping or not worker.alive or not worker.scheduler.num_unfinished:
             return
         worker.stepping = True
-        self.at(self.now + self.scenario.overheads.step_gap, self._start_step, worker)
+        self.at(self.now + self.scenario.overheads.step_gap, self._start_step, worker, worker.epoch)
 
-    def _start_step(self, worker: SimWorker) -> None:
-        if not worker.alive:
+    def _start_step(self, worker: SimWorker, epoch: int) -> None:
+        if not worker.alive or epoch != worker.epoch:
             return
         plan = worker.scheduler.schedule()
         if not plan.chunks:  # nothing fits until blocks free up; a finish wakes it
@@ -290,7 +296,7 @@ class Simulation:
             return
         seconds = max(self.scenario.costs.step.predict(plan.shape()), 1e-6)
         landed = self._send_kv(worker, plan, seconds) if worker.pool == "prefill" else {}
-        self.at(self.now + seconds, self._end_step, worker, plan, seconds, landed)
+        self.at(self.now + seconds, self._end_step, worker, plan, seconds, landed, epoch)
 
     def _send_kv(self, worker: SimWorker, plan: StepPlan, seconds: float) -> dict[str, float]:
         """When each sampling chunk's KV has fully landed: layer l of every chunk is sent once
@@ -312,9 +318,14 @@ class Simulation:
         return {c.seq.request_id: link for c in plan.chunks if c.samples}
 
     def _end_step(
-        self, worker: SimWorker, plan: StepPlan, seconds: float, landed: dict[str, float]
+        self,
+        worker: SimWorker,
+        plan: StepPlan,
+        seconds: float,
+        landed: dict[str, float],
+        epoch: int,
     ) -> None:
-        if not worker.alive:
+        if not worker.alive or epoch != worker.epoch:
             return
         worker.busy_seconds += seconds
         worker.num_steps += 1
@@ -374,13 +385,15 @@ class Simulation:
         worker = self.workers.get(worker_id)
         if worker is None or not worker.alive:
             return
-        worker.alive = False
+        worker.alive, worker.stepping = False, False
+        worker.epoch += 1
         self.router.mark_dead(worker_id)
         for run in list(self._holders[worker_id]):
             self._lose(run, worker_id)
 
-    def _lose(self, run: Run, culprit: str) -> None:
-        """Ends the attempt everywhere; the request goes on from the tokens it has."""
+    def _lose(self, run: Run, culprit: str, failed: bool = True) -> None:
+        """Ends the attempt everywhere; the request goes on from the tokens it has. `failed`:
+        the worker broke (the attempt counts, the worker is avoided); else it was moved."""
         route = run.route
         assert route is not None
         self._release(run)
@@ -394,9 +407,13 @@ class Simulation:
         self.router.unplace(route, run.token_ids())  # type: ignore[arg-type]
         run.resume_ids = run.token_ids()
         run.route, run.prefill_seq, run.decode_seq = None, None, None
+        run.attempts += 1  # (a new attempt key: events of the old one are void)
+        if not failed:
+            run.max_attempts_bonus += 1
+            self.at(self.now, self._place, run)
+            return
         run.avoid.add(culprit)
-        run.attempts += 1
-        if run.attempts >= self.max_attempts:
+        if run.attempts - run.max_attempts_bonus >= self.max_attempts:
             self._done(run, f"gave up after {run.attempts} attempts")
             return
         self.at(self.now + self.scenario.overheads.failure_detect, self._place, run)
@@ -404,7 +421,7 @@ class Simulation:
     def add_worker(self, pool: str, ready_in: float) -> str:
         """A new worker for `pool`, serving after `ready_in` seconds; returns its id."""
         prefix = "prefill" if pool == "prefill" else "decode"
-        number = sum(1 for w in self.workers if w.startswith(prefix))
+        number = len(self.workers)
         worker_id = f"{prefix}-{number}"
         self.workers[worker_id] = worker = SimWorker(
             worker_id, pool, self.scenario.deployment.engine
@@ -415,6 +432,49 @@ class Simulation:
         return worker_id
 
     def _join(self, worker: SimWorker) -> None:
-        worker.alive = True
+        worker.alive, worker.stepping = True, False
         self.router.add_worker(worker.pool, worker.worker_id)
         self.router.observe(worker.worker_id, worker.blocks.num_free_blocks, 0)
+
+    def switch_role(self, worker_id: str, pool: str) -> None:
+        """Moves a worker to the other pool, as `POST /admin/workers/{id}/role` does: its
+        requests are placed again elsewhere (decodes resume from their tokens), and it rejoins
+        after `role_switch` seconds with its model (and prefix cache) still loaded."""
+        worker = self.workers[worker_id]
+        self.router.set_accepting(worker_id, False)
+        for run in list(self._holders[worker_id]):
+            self._lose(run, worker_id, failed=False)
+        self.router.remove(worker_id)
+        worker.alive, worker.stepping = False, False
+        worker.epoch += 1
+        worker.pool = pool
+        self.at(self.now + self.scenario.overheads.role_switch, self._join, worker)
+
+    def drain(self, worker_id: str) -> None:
+        """The worker takes nothing new and leaves once its requests finish."""
+        self.router.set_accepting(worker_id, False)
+        self.workers[worker_id].draining = True
+
+    def _retire_drained(self) -> None:
+        for worker in self.workers.values():
+            if (
+                worker.draining
+                and worker.alive
+                and worker.idle
+                and not self._holders[worker.worker_id]
+            ):
+                worker.alive, worker.draining = False, False
+                worker.epoch += 1
+                self.router.remove(worker.worker_id)
+
+    def serving(self, pool: str) -> list[SimWorker]:
+        """Workers of `pool` that take requests (alive, not draining)."""
+        return [w for w in self.workers.values() if w.pool == pool and w.alive and not w.draining]
+
+    def pending(self, pool: str) -> int:
+        """Workers asked for (starting or switching) that will join `pool`."""
+        return sum(
+            1
+            for _, _, action, args in self._events
+            if action == self._join and args[0].pool == pool
+        )

@@ -28,6 +28,8 @@ class SimWorker:
     scheduler: Scheduler = field(init=False)
     alive: bool = True
     stepping: bool = False
+    draining: bool = False  # takes no new requests; leaves once idle
+    epoch: int = 0  # bumped when it dies or changes pools: older step events are void
     reserved: dict[str, Sequence] = field(default_factory=dict)  # KV on its way
     cache_events: list[tuple[int, bool]] = field(default_factory=list)  # since the last poll
     link_free_at: float = 0.0  # a prefill worker's KV sender: busy until then

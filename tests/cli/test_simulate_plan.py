@@ -12,7 +12,9 @@ import pytest
 from cli.main import main
 from loadtest.results import load_record
 
-PROFILE = Path(__file__).resolve().parents[1] / "simulation" / "data" / "smollm2-cpu-1thread.json"
+PROFILE = (
+    Path(__file__).resolve().parents[2] / "benchmarks" / "profiles" / "smollm2-cpu-1thread.json"
+)
 WORKLOAD = [
     "--dataset-name", "random", "--random-input-len", "120", "--random-output-len", "16",
     "--num-prompts", "30", "--request-rate", "4", "--num-kv-blocks", "512",

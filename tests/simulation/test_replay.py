@@ -22,6 +22,7 @@ from simulation.report import simulated_record
 from simulation.workload import synthetic_requests
 
 DATA = Path(__file__).parent / "data"
+PROFILES = Path(__file__).resolve().parents[2] / "benchmarks" / "profiles"
 EXPECTED = DATA / "replay_expected.json"
 KEYS = (
     "completed",
@@ -39,7 +40,7 @@ KEYS = (
 
 
 def replay() -> dict:
-    step = StepCostModel.load(DATA / "smollm2-cpu-1thread.json")  # `tandem profile --threads 1`
+    step = StepCostModel.load(PROFILES / "smollm2-cpu-1thread.json")  # `tandem profile --threads 1`
     transfer = TransferCostModel(50e-6, 1 / 3e9, FitStats(1, 0.0, 0, None))  # gloo, ~3 GB/s
     scenario = Scenario(
         Deployment(1, 2, EngineLimits(num_blocks=600, max_num_batched_tokens=512), "cost"),
