@@ -229,10 +229,11 @@ def save_trace(requests: Sequence[SimRequest], path: Path) -> None:
 def rate_profile(
     rate: Callable[[float], float],
     duration_s: float,
-    prompt: Callable[[int], tuple[TokenIds, int]],
+    prompt: Callable[[int, float], tuple[TokenIds, int]],
     seed: int = 0,
 ) -> list[SimRequest]:
-    """A Poisson process with a time-varying rate (thinning), for step and sinusoid loads."""
+    """A Poisson process with a time-varying rate (thinning), for step and sinusoid loads;
+    `prompt(index, arrival)` makes each request's prompt and output length."""
     rng = np.random.default_rng(seed)
     peak = max(rate(t) for t in np.linspace(0.0, duration_s, 1001))
     if peak <= 0:
@@ -244,6 +245,6 @@ def rate_profile(
         if t >= duration_s:
             break
         if rng.random() < rate(t) / peak:
-            ids, n_out = prompt(index)
+            ids, n_out = prompt(index, t)
             requests.append(SimRequest(t, ids, n_out))
     return requests

@@ -76,7 +76,7 @@ def test_shrink_needs_margin_held_and_never_flaps_back():
 def _sim(rate, duration, start=(1, 1), max_workers=4):
     ids = IdSpace()
 
-    def prompt(i):
+    def prompt(i, t):
         return TokenIds(0, 0, ids.take(300), 300), 64
 
     requests = rate_profile(rate, duration, prompt, seed=1)
