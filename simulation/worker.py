@@ -80,6 +80,7 @@ class SimWorker:
         if reserved is not None:
             self.blocks.free_blocks(reserved.block_table)
             reserved.block_table = []
+            return
         if seq is not None and not seq.is_finished:
             self.scheduler.finish(seq, FinishReason.ABORT)
 

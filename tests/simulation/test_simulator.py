@@ -195,3 +195,16 @@ def test_the_record_has_tandem_bench_keys():
     assert len(record["itls"]) == 16 and all(len(i) == 7 for i in record["itls"])
     assert record["simulation"]["deployment"] == "1P2D"
     assert math.isclose(record["median_itl_ms"], STEP * 1000)
+
+
+def test_a_role_switch_places_reserved_and_running_requests_again():
+    load = LoadConfig(request_rate=30.0, seed=2)
+    requests = synthetic_requests(DatasetConfig(RandomSpec(400, 24), 60, seed=2), load)
+    sim = Simulation(scenario(1, 2, overheads=Overheads(role_switch=0.1)), requests, load)
+    sim.at(0.6, sim.switch_role, "decode-0", "prefill")
+    outcome = sim.run()
+    assert all(r.error is None for r in outcome.runs)
+    assert any(r.attempts for r in outcome.runs)  # decode-0 held some when it moved
+    assert sim.workers["decode-0"].pool == "prefill" and sim.workers["decode-0"].alive
+    assert "decode-0" in sim.router.prefill and "decode-0" not in sim.router.decode
+    assert_nothing_held(sim)
