@@ -329,6 +329,11 @@ class Simulation:
             return
         worker.busy_seconds += seconds
         worker.num_steps += 1
+        # A request aborted during the step (its other worker died or moved) is not committed;
+        # on a real worker aborts land between steps, here they may land in the middle of one.
+        live = tuple(c for c in plan.chunks if not c.seq.is_finished)
+        if len(live) < len(plan.chunks):
+            plan = StepPlan(live, plan.preempted)
         worker.scheduler.commit(plan)
         delivery = self.now + self.scenario.overheads.delivery
         for chunk in plan.chunks:
