@@ -34,13 +34,13 @@ from loadtest.config import GoodputSLO, LoadConfig  # noqa: E402
 from planning.cost_model import StepCostModel  # noqa: E402
 from planning.planner import Planner, PlannerConfig  # noqa: E402
 from planning.transfer_model import TransferCostModel  # noqa: E402
+from protocol.kv import KVLayout  # noqa: E402
 from simulation.autoscale import PlannerDriver  # noqa: E402
 from simulation.cluster import Outcome, Simulation  # noqa: E402
 from simulation.deployment import (  # noqa: E402
     Costs,
     Deployment,
     EngineLimits,
-    KVSize,
     Overheads,
     Scenario,
 )
@@ -170,7 +170,7 @@ def large(args: argparse.Namespace) -> dict:
     step = StepCostModel.load(PROFILES / "llama70b-class-tp8.json")
     # 8 KV heads x 128 x (K, V) x bf16 = 4 KiB per token and layer; 80 layers; ~50 GB/s links.
     transfer = TransferCostModel(20e-6, 1 / 50e9, step.stats)
-    kv = KVSize(4096, 80)
+    kv = KVLayout(80, 8, 128, "bfloat16")
     slo = GoodputSLO(ttft_ms=args.large_ttft_ms, tpot_ms=args.large_itl_ms)
     cfg = PlannerConfig(
         slo.ttft_ms / 1e3,

@@ -36,7 +36,7 @@ from loadtest.datasets import sample_requests  # noqa: E402
 from loadtest.serve_process import ServeProcess  # noqa: E402
 from loadtest.token_count import LocalTokenizer  # noqa: E402
 from planning.cost_model import ProfileInfo, StepCostModel, fit  # noqa: E402
-from planning.records import load_records, split_every  # noqa: E402
+from planning.records import split_every  # noqa: E402
 from protocol.telemetry import StepRecord  # noqa: E402
 from simulation.cluster import Simulation  # noqa: E402
 from simulation.deployment import Costs, Deployment, EngineLimits, Overheads, Scenario  # noqa: E402
@@ -95,7 +95,7 @@ def calibrate(url: str, work: Path, name: str) -> tuple[StepCostModel, float, in
         for w in reply["workers"].values()
     ]
     gaps = [step_gap(sorted(r, key=lambda s: s.end)) for r in per_worker if len(r) > 2]
-    records = load_records(path)
+    records = [record for steps in per_worker for record in steps]
     train, heldout = split_every(records, 5)
     model = fit(train, heldout, ProfileInfo(model=name, source="telemetry"))
     return model, statistics.median(gaps) if gaps else 0.0, len(records)

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 
 from cli.defaults import default_of
 from cli.errors import CliError
+from cli.profile import PROFILE_FILE
 from coordinator.router import POLICIES, RouteCosts
 from engine.config import EngineConfig
 from loadtest.cli import DefaultsFormatter, config_from_args
@@ -23,10 +24,9 @@ from loadtest.cli_flags import add_bench_flags
 
 if TYPE_CHECKING:
     from loadtest.config import BenchConfig
+    from protocol.kv import KVLayout
     from simulation.deployment import Scenario
     from simulation.workload import SimRequest
-
-PROFILE_FILE = "tandem-profile.json"  # cli/profile.py writes it next to the weights
 
 
 def add_parser(commands: argparse._SubParsersAction) -> None:
@@ -50,7 +50,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--summary-only",
         action="store_true",
-        help="leave the per-request lists out of the saved JSON (long traces)",
+        help="leave the per-request lists of the saved JSON empty (long traces)",
     )
     add_bench_flags(p, taken=("--profile",))
     p.set_defaults(run=run)
@@ -179,26 +179,22 @@ def _fault(text: str):  # noqa: ANN202 (simulation.deployment.Fault, imported la
         raise CliError(f"--kill takes WORKER@SECONDS (e.g. decode-0@30), not {text!r}") from None
 
 
-def _kv_size(args: argparse.Namespace):  # noqa: ANN202
-    """(KVSize, blocks per worker) from --model-dir's config, or --num-kv-blocks alone."""
+def _kv_size(args: argparse.Namespace) -> tuple[KVLayout | None, int]:
+    """(KV layout, blocks per worker) from --model-dir's config, or --num-kv-blocks alone."""
     from engine.config import ConfigError, ModelConfig
-    from protocol.kv import DTYPE_BYTES
-    from simulation.deployment import KVSize
+    from protocol.kv import KVLayout
 
     if args.model_dir is None:
         if args.num_kv_blocks is None:
             raise CliError("give --model-dir (for its KV size) or --num-kv-blocks")
-        return KVSize(0, 1), args.num_kv_blocks
+        return None, args.num_kv_blocks
     try:
         cfg = ModelConfig.from_pretrained(args.model_dir)
     except ConfigError as err:
         raise CliError(str(err)) from None
-    per_token_layer = 2 * cfg.num_kv_heads * cfg.head_dim * DTYPE_BYTES["bfloat16"]
+    layout = KVLayout(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, "bfloat16")
     budget = default_of(EngineConfig, "kv_cache_memory_bytes")
-    num_blocks = args.num_kv_blocks or budget // (
-        per_token_layer * cfg.num_layers * args.block_size
-    )
-    return KVSize(per_token_layer, cfg.num_layers), num_blocks
+    return layout, args.num_kv_blocks or budget // layout.bytes_for(args.block_size)
 
 
 def requests_from_args(args: argparse.Namespace, bench: BenchConfig) -> list[SimRequest]:

@@ -56,7 +56,7 @@ class Run:
     attempts: int = 0
     avoid: set[str] = field(default_factory=set)
     resume_ids: Sequence[int] | None = None  # prompt and output of a lost attempt
-    max_attempts_bonus: int = 0  # attempts ended by a pool change, not a failure
+    moves: int = 0  # attempts ended by a pool change, not a failure
     error: str | None = None
 
     @property
@@ -74,26 +74,12 @@ class Run:
         return self.resume_ids if self.resume_ids is not None else self.request.prompt_ids
 
 
-@dataclass(frozen=True)
-class WorkerSample:
-    """One worker at one stats poll, for timelines."""
-
-    at: float
-    worker_id: str
-    pool: str
-    running: int
-    waiting: int
-    free_blocks: int
-    busy_seconds: float
-
-
 @dataclass
 class Outcome:
     runs: list[Run]
     duration_s: float
     num_aborted: int  # in flight when max_duration ran out
     num_unsent: int
-    samples: list[WorkerSample]
     workers: dict[str, SimWorker]
     num_events: int
 
@@ -138,7 +124,7 @@ class Simulation:
         self.finished: deque[Run] = deque()  # in finishing order, for planners
         self._in_flight = 0
         self._unfinished = len(self.runs)
-        self.samples: list[WorkerSample] = []
+        self._joining: dict[str, SimWorker] = {}  # starting, or switching pools
         self.on_poll: Callable[[Simulation], None] | None = None  # the planner's hook
 
     # -- the event loop ------------------------------------------------------------------
@@ -166,7 +152,7 @@ class Simulation:
         duration = self.now if self._unfinished else max(ended, default=0.0)
         aborted = sum(1 for r in self.runs if r.finished_at is None and r.sent_at is not None)
         unsent = sum(1 for r in self.runs if r.sent_at is None)
-        return Outcome(self.runs, duration, aborted, unsent, self.samples, self.workers, num_events)
+        return Outcome(self.runs, duration, aborted, unsent, self.workers, num_events)
 
     # -- the client ----------------------------------------------------------------------
 
@@ -254,18 +240,6 @@ class Simulation:
                 evicted = [d for d, s in worker.cache_events if not s]
                 worker.cache_events.clear()
                 self.router.cache_changed(worker.worker_id, stored, evicted)
-            sched = worker.scheduler
-            self.samples.append(
-                WorkerSample(
-                    self.now,
-                    worker.worker_id,
-                    worker.pool,
-                    len(sched.running),
-                    len(sched.waiting),
-                    worker.blocks.num_free_blocks,
-                    worker.busy_seconds,
-                )
-            )
         self._retire_drained()
         if self.on_poll is not None:
             self.on_poll(self)
@@ -301,14 +275,11 @@ class Simulation:
     def _send_kv(self, worker: SimWorker, plan: StepPlan, seconds: float) -> dict[str, float]:
         """When each sampling chunk's KV has fully landed: layer l of every chunk is sent once
         computed (at l+1 / L of the step) and the worker's link is free, one send at a time."""
-        costs = self.scenario.costs
-        if costs.transfer is None:
+        transfer, kv = self.scenario.costs.transfer, self.scenario.costs.kv
+        if transfer is None or kv is None:
             return {c.seq.request_id: self.now + seconds for c in plan.chunks if c.samples}
-        layers = costs.kv.num_layers
-        per_layer = [
-            costs.transfer.predict(c.num_tokens * costs.kv.bytes_per_token_layer)
-            for c in plan.chunks
-        ]
+        layers, per_token = kv.num_layers, kv.bytes_per_token_layer()
+        per_layer = [transfer.predict(c.num_tokens * per_token) for c in plan.chunks]
         link = max(worker.link_free_at, self.now)
         for layer in range(layers):
             ready = self.now + seconds * (layer + 1) / layers
@@ -414,11 +385,11 @@ class Simulation:
         run.route, run.prefill_seq, run.decode_seq = None, None, None
         run.attempts += 1  # (a new attempt key: events of the old one are void)
         if not failed:
-            run.max_attempts_bonus += 1
+            run.moves += 1
             self.at(self.now, self._place, run)
             return
         run.avoid.add(culprit)
-        if run.attempts - run.max_attempts_bonus >= self.max_attempts:
+        if run.attempts - run.moves >= self.max_attempts:
             self._done(run, f"gave up after {run.attempts} attempts")
             return
         self.at(self.now + self.scenario.overheads.failure_detect, self._place, run)
@@ -433,10 +404,12 @@ class Simulation:
         )
         worker.alive = False
         self._holders[worker_id] = set()
+        self._joining[worker_id] = worker
         self.at(self.now + ready_in, self._join, worker)
         return worker_id
 
     def _join(self, worker: SimWorker) -> None:
+        self._joining.pop(worker.worker_id, None)
         worker.alive, worker.stepping = True, False
         self.router.add_worker(worker.pool, worker.worker_id)
         self.router.observe(worker.worker_id, worker.blocks.num_free_blocks, 0)
@@ -453,6 +426,7 @@ class Simulation:
         worker.alive, worker.stepping = False, False
         worker.epoch += 1
         worker.pool = pool
+        self._joining[worker_id] = worker
         self.at(self.now + self.scenario.overheads.role_switch, self._join, worker)
 
     def drain(self, worker_id: str) -> None:
@@ -478,8 +452,4 @@ class Simulation:
 
     def pending(self, pool: str) -> int:
         """Workers asked for (starting or switching) that will join `pool`."""
-        return sum(
-            1
-            for _, _, action, args in self._events
-            if action == self._join and args[0].pool == pool
-        )
+        return sum(1 for worker in self._joining.values() if worker.pool == pool)

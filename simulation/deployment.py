@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from coordinator.router import POLICIES, RouteCosts
 from planning.cost_model import StepCostModel
 from planning.transfer_model import TransferCostModel
+from protocol.kv import KVLayout
 from simulation.workload import SimulationError
 
 
@@ -64,20 +65,13 @@ class Deployment:
 
 
 @dataclass(frozen=True)
-class KVSize:
-    """Bytes of KV one token holds in one layer (K and V, every KV head), and the layers."""
-
-    bytes_per_token_layer: int
-    num_layers: int
-
-
-@dataclass(frozen=True)
 class Costs:
-    """Seconds: one engine step from its shape; one layer of KV from its bytes (None: free)."""
+    """Seconds: one engine step from its shape; one layer of KV from its bytes (no transfer
+    model or no KV layout: sending is free)."""
 
     step: StepCostModel
     transfer: TransferCostModel | None = None
-    kv: KVSize = KVSize(0, 1)
+    kv: KVLayout | None = None
 
 
 @dataclass(frozen=True)

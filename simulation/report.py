@@ -44,7 +44,7 @@ def simulated_record(
     metadata: Mapping[str, object] | None = None,
 ) -> Record:
     """The record of `tandem bench` keys (and `simulation` with what was simulated);
-    `per_request` False leaves out the per-request lists (long traces)."""
+    `per_request` False leaves the per-request lists empty (long traces)."""
     finished = [r for r in outcome.runs if r.finished_at is not None]
     results = [request_result(r) for r in finished]
     metrics = compute_metrics(results, max(outcome.duration_s, 1e-9), percentiles, slo)
@@ -68,7 +68,7 @@ def simulated_record(
         "percentiles": list(percentiles),
         "goodput_slo": None if slo is None else slo.limits_ms(),
     }
-    record = result_record(metrics, results, run_outcome, settings)
+    record = result_record(metrics, results if per_request else [], run_outcome, settings)
     busy = {w.worker_id: w.busy_seconds for w in outcome.workers.values()}
     record["simulation"] = {
         "deployment": dep.describe(),
@@ -81,9 +81,5 @@ def simulated_record(
             for w, s in busy.items()
         },
     }
-    if not per_request:
-        for key in ("input_lens", "output_lens", "ttfts", "itls", "latencies", "e2els"):
-            record.pop(key, None)
-        for key in ("start_times", "generated_texts", "errors"):
-            record.pop(key, None)
+
     return record

@@ -210,22 +210,6 @@ def load_trace(path: Path) -> list[SimRequest]:
     return sorted(requests, key=lambda r: r.arrival)
 
 
-def save_trace(requests: Sequence[SimRequest], path: Path) -> None:
-    """Writes requests as a trace (lengths and arrivals; which prompts share what is lost
-    except for made-up prompts, whose prefix base names their prefix)."""
-    with path.open("w") as out:
-        for r in requests:
-            row: dict[str, object] = {
-                "arrival": round(r.arrival, 6),
-                "prompt_len": len(r.prompt_ids),
-                "output_len": r.output_len,
-            }
-            if isinstance(r.prompt_ids, TokenIds) and r.prompt_ids.prefix_len:
-                row["prefix_id"] = r.prompt_ids.prefix_base
-                row["prefix_len"] = r.prompt_ids.prefix_len
-            out.write(json.dumps(row) + "\n")
-
-
 def rate_profile(
     rate: Callable[[float], float],
     duration_s: float,

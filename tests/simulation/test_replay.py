@@ -16,8 +16,9 @@ from loadtest.config import DatasetConfig, LoadConfig, PrefixRepetitionSpec
 from planning.cost_model import StepCostModel
 from planning.nnls import FitStats
 from planning.transfer_model import TransferCostModel
+from protocol.kv import KVLayout
 from simulation.cluster import Simulation
-from simulation.deployment import Costs, Deployment, EngineLimits, KVSize, Overheads, Scenario
+from simulation.deployment import Costs, Deployment, EngineLimits, Overheads, Scenario
 from simulation.report import simulated_record
 from simulation.workload import synthetic_requests
 
@@ -44,7 +45,7 @@ def replay() -> dict:
     transfer = TransferCostModel(50e-6, 1 / 3e9, FitStats(1, 0.0, 0, None))  # gloo, ~3 GB/s
     scenario = Scenario(
         Deployment(1, 2, EngineLimits(num_blocks=600, max_num_batched_tokens=512), "cost"),
-        Costs(step, transfer, KVSize(768, 30)),  # SmolLM2: 3 KV heads x 64 x K,V x bf16
+        Costs(step, transfer, KVLayout(30, 3, 64, "bfloat16")),  # SmolLM2's KV
         Overheads(step_gap=0.001, dispatch=0.002, handover=0.001),
     )
     load = LoadConfig(request_rate=6.0, max_concurrency=12, seed=3)

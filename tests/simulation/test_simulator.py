@@ -13,13 +13,13 @@ from loadtest.config import DatasetConfig, LoadConfig, PrefixRepetitionSpec, Ran
 from planning.cost_model import StepCostModel
 from planning.nnls import FitStats
 from planning.transfer_model import TransferCostModel
+from protocol.kv import KVLayout
 from simulation.cluster import Simulation
 from simulation.deployment import (
     Costs,
     Deployment,
     EngineLimits,
     Fault,
-    KVSize,
     Overheads,
     Scenario,
 )
@@ -92,7 +92,7 @@ def test_colocated_request_timing_is_one_step_per_token():
 def test_disaggregated_ttft_pays_the_exposed_transfer_and_handover():
     layers, per_layer = 4, 0.001  # each layer's send: 1 ms, after its layer computed
     transfer = TransferCostModel(per_layer, 0.0, STATS)
-    costs = Costs(step_model(), transfer, KVSize(1024, layers))
+    costs = Costs(step_model(), transfer, KVLayout(layers, 4, 64, "bfloat16"))
     overheads = Overheads(handover=0.002)
     sim = Simulation(
         scenario(1, 1, costs=costs, overheads=overheads), [SimRequest(0.0, prompt(100, 1 << 20), 3)]
@@ -107,7 +107,9 @@ def test_disaggregated_ttft_pays_the_exposed_transfer_and_handover():
 
 def test_a_slow_link_serializes_layers_behind_the_step():
     layers, per_layer = 4, 0.005  # sends slower than layers: the link sets the pace
-    costs = Costs(step_model(), TransferCostModel(per_layer, 0.0, STATS), KVSize(1, layers))
+    costs = Costs(
+        step_model(), TransferCostModel(per_layer, 0.0, STATS), KVLayout(layers, 1, 1, "bfloat16")
+    )
     sim = Simulation(scenario(1, 1, costs=costs), [SimRequest(0.0, prompt(64, 1 << 20), 1)])
     (run,) = sim.run().runs
     assert run.token_times[0] == pytest.approx(0.0025 + 4 * per_layer)
