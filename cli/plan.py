@@ -42,7 +42,8 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     import dataclasses
 
-    from simulation.search import Candidate, parse_slo, search
+    from planning.slo import SloError, parse_slo
+    from simulation.search import Candidate, search
     from simulation.workload import SimulationError
 
     if args.gpus < 1 or args.tp < 1:
@@ -61,7 +62,7 @@ def run(args: argparse.Namespace) -> int:
 
         print(_header(objectives))
         plan = search(scenario, requests, bench.load, args.gpus, objectives, show)
-    except SimulationError as err:
+    except (SimulationError, SloError) as err:
         raise CliError(str(err)) from None
     print()
     if plan.best is None:

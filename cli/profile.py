@@ -16,13 +16,13 @@ from cli.defaults import default_of
 from cli.errors import CliError
 from engine.config import EngineConfig
 from loadtest.cli import DefaultsFormatter
+from planning.model_file import PROFILE_FILE
 from protocol.kv import DTYPE_BYTES
 
 if TYPE_CHECKING:
     from cli.profile_sweep import Measurement
     from planning.cost_model import ProfileInfo, StepCostModel
 
-PROFILE_FILE = "tandem-profile.json"  # next to the model's weights
 NOISY_CORES = 0.25  # other processes' CPU during a sweep past which its times are suspect
 TELEMETRY_HELDOUT_EVERY = 5  # live records repeat no shape on purpose: hold out every 5th
 

@@ -19,10 +19,11 @@ from typing import TYPE_CHECKING, Any
 from cli.defaults import default_of
 from cli.errors import CliError
 from coordinator.api.settings import ServerSettings
-from coordinator.deploy import MODES, ROUTING_POLICIES, DeployConfig
+from coordinator.deploy import MODES, PLANNER_MODES, ROUTING_POLICIES, DeployConfig
 from engine.config import EngineConfig
 from kvtransfer.names import TRANSPORT_NAMES
 from loadtest.cli import DefaultsFormatter
+from planning.model_file import PROFILE_FILE
 from protocol.kv import DTYPE_BYTES
 
 if TYPE_CHECKING:
@@ -48,6 +49,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     _add_http_flags(p.add_argument_group("HTTP"))
     _add_model_flags(p.add_argument_group("model and engine (per worker)"))
     _add_cluster_flags(p.add_argument_group("cluster"))
+    _add_planner_flags(p.add_argument_group("SLO planner (sets the prefill/decode split)"))
     p.set_defaults(run=run)
 
 
@@ -239,6 +241,44 @@ def _add_cluster_flags(g: argparse._ArgumentGroup) -> None:
     )
 
 
+def _add_planner_flags(g: argparse._ArgumentGroup) -> None:
+    def deploy(name: str) -> Any:
+        return default_of(DeployConfig, name)
+
+    g.add_argument(
+        "--planner",
+        default=deploy("planner"),
+        choices=PLANNER_MODES,
+        help="on: switch roles, grow and shrink the pools to keep --planner-slo; dry-run: "
+        "only recommend (GET /admin/planner, /metrics); off: neither (POST /admin/planner "
+        "changes the mode while serving)",
+    )
+    g.add_argument(
+        "--planner-slo",
+        metavar="SLO",
+        help="the TTFT and ITL limits to keep, e.g. ttft_p99=2s,itl_p99=50ms",
+    )
+    g.add_argument(
+        "--planner-profile",
+        type=Path,
+        metavar="FILE",
+        help=f"step cost model from tandem profile (default: <model>/{PROFILE_FILE})",
+    )
+    g.add_argument(
+        "--planner-max-workers",
+        type=int,
+        metavar="N",
+        help="the planner never grows past N workers (default: the workers launched)",
+    )
+    g.add_argument(
+        "--planner-interval",
+        type=float,
+        default=deploy("planner_interval"),
+        metavar="SECONDS",
+        help="time between decisions",
+    )
+
+
 def parse_size(text: str) -> int:
     """'1GiB', '512MiB', '2G', '1000000' -> bytes."""
     match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kKmMgG]i?)?[bB]?\s*", text)
@@ -343,6 +383,11 @@ def deploy_config(args: argparse.Namespace) -> DeployConfig:
         model_name=args.served_model_name,
         prefill_tp=args.prefill_tp,
         decode_tp=args.decode_tp,
+        planner=args.planner,
+        planner_slo=args.planner_slo,
+        planner_profile=args.planner_profile,
+        planner_max_workers=args.planner_max_workers,
+        planner_interval=args.planner_interval,
     )
 
 

@@ -16,11 +16,11 @@ from typing import TYPE_CHECKING
 
 from cli.defaults import default_of
 from cli.errors import CliError
-from cli.profile import PROFILE_FILE
 from coordinator.router import POLICIES, RouteCosts
 from engine.config import EngineConfig
 from loadtest.cli import DefaultsFormatter, config_from_args
 from loadtest.cli_flags import add_bench_flags
+from planning.model_file import PROFILE_FILE
 
 if TYPE_CHECKING:
     from loadtest.config import BenchConfig

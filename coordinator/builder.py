@@ -22,6 +22,7 @@ import os
 import signal
 import threading
 from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
 import ray
@@ -30,9 +31,14 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from coordinator.coordinator import Coordinator, CoordinatorConfig
 from coordinator.deploy import DeployConfig
+from coordinator.planner_loop import LoopSettings, PlannerSetup
 from coordinator.reaper import start_reaper
 from engine.config import ConfigError, EngineConfig, ModelConfig, check_splits
 from engine.tokenizer import Tokenizer
+from planning.cost_model import Calibrated, StepCostModel
+from planning.model_file import PROFILE_FILE, CostModelError
+from planning.planner import Planner, PlannerConfig
+from planning.slo import SloError, parse_slo, planner_targets
 from protocol.kv import DTYPE_BYTES
 
 log = logging.getLogger(__name__)
@@ -84,8 +90,9 @@ def _init_ray(address: str | None, num_cpus: int | None) -> None:
 
 def build_client(engine: EngineConfig, deploy: DeployConfig) -> Coordinator:
     """Starts (or joins) Ray, places the workers, returns the Coordinator (await its ready())."""
-    connect_ray(deploy.address)
     model = ModelConfig.from_pretrained(engine.model)
+    planner = planner_setup(engine, deploy, model.path)  # its errors before Ray starts
+    connect_ray(deploy.address)
     spawner = WorkerSpawner(engine, deploy)
     for pool in spawner.pools():  # before any worker starts: a clear error, not a dead actor
         check_splits(model, spawner.tensor_parallel(pool))
@@ -112,6 +119,47 @@ def build_client(engine: EngineConfig, deploy: DeployConfig) -> Coordinator:
         decode_pool="colocated" if deploy.mode == "colocated" else "decode",
         release=spawner.release,
         ranks=spawner.worker_ranks.__getitem__,
+        planner=planner,
+        request_capacity=spawner.request_capacity,
+    )
+
+
+def planner_setup(
+    engine: EngineConfig, deploy: DeployConfig, model_path: Path
+) -> PlannerSetup | None:
+    """The SLO planner `--planner-slo` asks for (None without one): its targets, the step cost
+    model it predicts with, and its bounds. ConfigError, naming the fix, when it cannot run."""
+    if deploy.planner_slo is None:
+        return None
+    try:
+        targets = planner_targets(parse_slo(deploy.planner_slo))
+    except SloError as err:
+        raise ConfigError(f"--planner-slo: {err}") from None
+    profile = deploy.planner_profile or model_path / PROFILE_FILE
+    if not profile.is_file():
+        raise ConfigError(
+            f"the planner predicts with a step cost model and {profile} does not exist: run "
+            f"`tandem profile --model {model_path}` first, or give --planner-profile"
+        )
+    try:
+        model = Calibrated(StepCostModel.load(profile))
+    except CostModelError as err:
+        raise ConfigError(f"--planner-profile: {err}") from None
+    launched = deploy.num_prefill + deploy.num_decode
+    max_workers = deploy.planner_max_workers or launched
+    if max_workers < 2:
+        raise ConfigError("--planner-max-workers must be at least 2 (a prefill and a decode)")
+    config = PlannerConfig(
+        ttft_slo_s=targets.ttft_s,
+        itl_slo_s=targets.itl_s,
+        max_workers=max_workers,
+        max_num_seqs=engine.max_num_seqs,
+        max_num_batched_tokens=engine.max_num_batched_tokens,
+    )
+    return PlannerSetup(
+        Planner(model, config),
+        model,
+        LoopSettings(deploy.planner, deploy.planner_interval, targets.percentile),
     )
 
 
@@ -198,6 +246,21 @@ class WorkerSpawner:
             group, placement_group_bundle_index=0
         )
         return group, bundle
+
+    def request_capacity(self, workers: int) -> None:
+        """Asks Ray's autoscaler for room for `workers` workers in all, at once (the planner's
+        whole deficit, not one node at a time); the request replaces the previous one, so a
+        smaller layout lets idle nodes go. Only on a cluster joined with --address: one tandem
+        started itself cannot grow."""
+        if self.deploy.address is None:
+            return
+        from ray.autoscaler.sdk import request_resources
+
+        bundle = {"CPU": self.num_cpus}
+        if self.engine.device.startswith("cuda"):
+            bundle["GPU"] = 1.0
+        ranks = max(self.tensor_parallel(pool) for pool in self.pools())
+        request_resources(bundles=[bundle] * (workers * ranks))
 
     def release(self, worker_id: str) -> None:
         """Frees a retired worker's placement group (its ranks end with it)."""

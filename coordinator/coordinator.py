@@ -27,6 +27,7 @@ from typing import Any
 
 from ray.exceptions import RayActorError
 
+from coordinator.planner_loop import LoopSettings, PlannerLoop, PlannerSetup
 from coordinator.request_state import TrackedRequest
 from coordinator.router import NoWorkerError, Route, RouteCosts, Router, queued_tokens
 from coordinator.supervisor import Spawn, Supervisor, SupervisorConfig, WorkerEntry
@@ -34,12 +35,13 @@ from coordinator.telemetry import TelemetryStore
 from coordinator.update_server import UpdateServer
 from engine.outputs import RequestOutput, read_stream
 from engine.tokenizer import Tokenizer
+from planning.window import LoadWindow
 from protocol.errors import EngineDeadError, PoolError, RequestFailedError
 from protocol.limits import ModelLimits
 from protocol.messages import PrefillResult, RequestFailed, WorkerUpdate, WorkRequest
 from protocol.sampling import SamplingParams
 from protocol.stats import HANDOVER_BUCKETS, Histogram, PoolWorker, WorkerStats
-from protocol.telemetry import Telemetry
+from protocol.telemetry import StepRecord, Telemetry
 
 log = logging.getLogger(__name__)
 MAX_ATTEMPTS = 4
@@ -83,6 +85,8 @@ class Coordinator:
         decode_pool: str = "decode",  # "colocated" when the decode workers prefill everything
         release: Callable[[str], None] | None = None,  # frees a killed worker's reservations
         ranks: Callable[[str], int] | None = None,  # a worker's tensor-parallel ranks (1)
+        planner: PlannerSetup | None = None,  # the SLO planner's loop (coordinator/planner_loop)
+        request_capacity: Callable[[int], None] | None = None,  # asks an autoscaler for room
     ) -> None:
         self.model_name = model_name
         self.ranks = ranks or (lambda worker_id: 1)
@@ -125,6 +129,10 @@ class Coordinator:
         self._started: asyncio.Future | None = None
         self._unplaced = unplaced
         self._closing = False
+        seen = LoopSettings() if planner is None else planner.settings
+        self.window = LoadWindow(seen.window_s, seen.percentile)  # the traffic the planner sees
+        self._request_capacity = request_capacity
+        self.planner = None if planner is None else PlannerLoop(self, self.window, planner)
 
     # -- EngineClient ----------------------------------------------------------------------
 
@@ -156,6 +164,8 @@ class Coordinator:
         self._background(self._refresh_stats())
         self.supervisor.start()
         await self._refresh_once()
+        if self.planner is not None:
+            self.planner.start()
 
     def readiness(self) -> str | None:
         if self._started is None or not self._started.done():
@@ -169,6 +179,8 @@ class Coordinator:
         self._closing = True
         for task in list(self._tasks):
             task.cancel()
+        if self.planner is not None:
+            await self.planner.stop()
         for request in list(self._requests.values()):
             request.fail(EngineDeadError("the server is shutting down"))
         await self.supervisor.stop()
@@ -237,15 +249,48 @@ class Coordinator:
         self._worker_joined(entry, self.max_model_len)
         return time.monotonic() - started
 
+    # -- what the planner sees and does (coordinator/planner_loop.PoolControl) ---------------
+
+    def layout(self) -> dict[str, tuple[int, int]]:
+        return {
+            pool: (len(self.supervisor.serving(pool)), record.starting)
+            for pool, record in self.supervisor.pools.items()
+        }
+
+    def queued_prefill_tokens(self) -> int:
+        return sum(s.queued_prefill_tokens for w, s in self._stats.items() if w in self.prefill)
+
+    def steps_since(self, since: float) -> list[StepRecord]:
+        return self.telemetry.steps_since(since)
+
+    def least_busy(self, pool: str) -> str:
+        serving = self.supervisor.serving(pool)
+        if not serving:
+            raise PoolError(f"no {pool} worker is serving")
+        return min(serving, key=lambda w: self._in_use(w.worker_id)).worker_id
+
+    def request_capacity(self, workers: int) -> None:
+        if self._request_capacity is not None:
+            self._request_capacity(workers)
+
     async def generate(
         self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None
     ) -> AsyncIterator[RequestOutput]:
         self.check_request(prompt_ids, params)
         request_id = request_id or f"req-{next(self._ids)}"
         request = TrackedRequest(request_id, list(prompt_ids), params, self.tokenizer)
+        arrived = first = time.monotonic()
+        self.window.arrived(arrived, len(prompt_ids))
         driver = asyncio.create_task(self._drive(request))
         try:
             async for output in read_stream(request.stream):
+                now = time.monotonic()
+                if output.token_ids and first == arrived:
+                    first = now
+                if output.finished:
+                    gaps = len(output.token_ids) - 1
+                    itl = (now - first) / gaps if gaps > 0 else None
+                    self.window.finished(now, len(output.token_ids), first - arrived, itl)
                 yield output
         finally:
             if not driver.done():

@@ -4,7 +4,9 @@ command line can read its defaults without loading either; `coordinator.builder`
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
+from coordinator.planner_loop import MODES as PLANNER_MODES
 from coordinator.router import POLICIES as ROUTING_POLICIES
 from engine.config import ConfigError
 
@@ -28,6 +30,11 @@ class DeployConfig:
     model_name: str | None = None  # served id; default: the model folder's name
     prefill_tp: int | None = None  # ranks per prefill worker; default: the engine's
     decode_tp: int | None = None  # ranks per decode (or colocated) worker; default: the engine's
+    planner: str = "off"  # the SLO planner: on | dry-run | off (coordinator/planner_loop.py)
+    planner_slo: str | None = None  # "ttft_p99=2s,itl_p99=50ms"; none: no planner at all
+    planner_profile: Path | None = None  # step cost model; default: <model>/tandem-profile.json
+    planner_max_workers: int | None = None  # default: the workers launched
+    planner_interval: float = 2.0  # seconds between decisions
 
     def __post_init__(self) -> None:
         if self.routing not in ROUTING_POLICIES:
@@ -38,6 +45,18 @@ class DeployConfig:
             raise ConfigError(f"mode must be one of {', '.join(MODES)}, not {self.mode!r}")
         if self.num_decode < 1 or self.num_prefill < (self.mode == "disaggregated"):
             raise ConfigError("disaggregated mode needs at least one prefill and one decode worker")
+        if self.planner not in PLANNER_MODES:
+            raise ConfigError(f"planner must be one of {', '.join(PLANNER_MODES)}")
+        if self.planner != "off" and self.planner_slo is None:
+            raise ConfigError(
+                f"--planner {self.planner} needs --planner-slo, e.g. ttft_p99=2s,itl_p99=50ms"
+            )
+        if self.planner_slo is not None and self.mode == "colocated":
+            raise ConfigError(
+                "the planner sizes prefill and decode pools: use --mode disaggregated"
+            )
+        if self.planner_interval <= 0:
+            raise ConfigError("--planner-interval must be > 0")
         for name in ("prefill_tp", "decode_tp"):
             if (getattr(self, name) or 1) < 1:
                 raise ConfigError(f"{name} must be at least 1")

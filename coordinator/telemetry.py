@@ -56,6 +56,16 @@ class TelemetryStore:
     def forget(self, worker_id: str) -> None:
         self.workers.pop(worker_id, None)
 
+    def steps_since(self, since: float) -> list[StepRecord]:
+        """Every worker's kept steps that ended after `since` (time.time())."""
+        found = []
+        for kept in self.workers.values():
+            for record in reversed(kept.recent):
+                if record.end <= since:
+                    break
+                found.append(record)
+        return found
+
     def recent(self, worker_id: str | None = None, limit: int | None = None) -> dict:
         """Each worker's (or one worker's) latest step records, oldest first."""
         chosen = {

@@ -15,6 +15,7 @@ from loadtest.config import METRICS, ResultFile
 from loadtest.errors import BenchError
 from loadtest.metrics import BenchmarkMetrics, Distribution, output_len
 from loadtest.runner import RunOutcome
+from planning.slo import percentile_key
 
 REQUIRED_KEYS = ("duration", "completed", "ttfts", "itls", "output_lens", "errors")
 
@@ -34,12 +35,6 @@ class RequestRow(NamedTuple):
     @property
     def tpot(self) -> float | None:
         return (self.e2el - self.ttft) / (self.output_len - 1) if self.output_len > 1 else None
-
-
-def percentile_key(percentile: float, metric: str) -> str:
-    """p99_ttft_ms, p99.9_ttft_ms: vLLM's spelling."""
-    word = str(int(percentile)) if int(percentile) == percentile else str(percentile)
-    return f"p{word}_{metric}_ms"
 
 
 def result_record(

@@ -165,6 +165,36 @@ class StepCostModel:
         return cls.from_json(load_json(path))
 
 
+class CostModel(Protocol):
+    def predict(self, shape: HasStepShape) -> float: ...
+
+
+@dataclass
+class Calibrated:
+    """A profile scaled by how the live engine's steps compare with it: a profile measured with
+    other threads, another clock or a busier machine is off by a near-constant factor, which
+    the recent steps tell (each `observe` moves the factor part of the way, clipped so that a
+    few odd steps cannot swing it far)."""
+
+    model: StepCostModel
+    factor: float = 1.0
+    weight: float = 0.3  # how far one batch of steps moves the factor
+    bounds: tuple[float, float] = (0.25, 4.0)
+
+    def predict(self, shape: HasStepShape) -> float:
+        return self.factor * self.model.predict(shape)
+
+    def observe(self, steps: Sequence[TimedStep]) -> None:
+        if not steps:
+            return
+        predicted = float(self.model.predict_many(steps).sum())
+        if predicted <= 0:
+            return
+        ratio = sum(s.seconds for s in steps) / predicted
+        moved = self.factor + self.weight * (ratio - self.factor)
+        self.factor = min(max(moved, self.bounds[0]), self.bounds[1])
+
+
 def fit(
     train: Sequence[TimedStep],
     heldout: Sequence[TimedStep] = (),

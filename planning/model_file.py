@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 FORMAT_VERSION = 1
+PROFILE_FILE = "tandem-profile.json"  # a step cost model saved next to the model's weights
 
 
 class CostModelError(ValueError):

@@ -31,7 +31,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-from planning.cost_model import StepCostModel, StepShape
+from planning.cost_model import CostModel, StepShape
 
 ITERATIONS = 40
 DECISION_LOG = 256
@@ -91,7 +91,7 @@ class Decision(NamedTuple):
 
 
 def predict(
-    model: StepCostModel, config: PlannerConfig, obs: Observation, prefill: int, decode: int
+    model: CostModel, config: PlannerConfig, obs: Observation, prefill: int, decode: int
 ) -> Prediction:
     prompt, output = max(obs.mean_prompt, 1.0), max(obs.mean_output, 1.0)
     chunk = min(prompt, config.max_num_batched_tokens)
@@ -116,7 +116,7 @@ def predict(
 
 @dataclass
 class Planner:
-    model: StepCostModel
+    model: CostModel
     config: PlannerConfig
     log: deque[Decision] = field(default_factory=lambda: deque(maxlen=DECISION_LOG))
     _last_action_at: float = -math.inf

@@ -7,19 +7,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-import numpy as np
-
 from planning.planner import Decision, Observation, Planner
+from planning.window import LoadWindow
 from simulation.cluster import Simulation
-
-MIN_SAMPLES = 5  # fewer finished requests in the window: no observed percentile
 
 
 @dataclass
 class PlannerDriver:
     planner: Planner
     interval_s: float = 2.0
-    window_s: float = 10.0
+    window: LoadWindow = field(default_factory=LoadWindow)  # the last 10 s
     decisions: list[Decision] = field(default_factory=list)  # every action (not "none")
     layouts: list[tuple[float, int, int]] = field(default_factory=list)  # (time, P, D)
     _next_at: float = 0.0
@@ -40,34 +37,30 @@ class PlannerDriver:
             self.decisions.append(decision)
 
     def observe(self, sim: Simulation) -> Observation:
-        since = sim.now - self.window_s
-        while sim.sent and sim.sent[0][0] < since:
-            sim.sent.popleft()
-        sent = list(sim.sent)
-        span = min(self.window_s, max(sim.now, 1e-9))
-        prompts = [p for _, p, _ in sent]
-        outputs = [o for _, _, o in sent]
-        while sim.finished and sim.finished[0].finished_at < since:  # type: ignore[operator]
-            sim.finished.popleft()
-        recent = [r for r in sim.finished if r.error is None]
-        ttfts = [r.token_times[0] - r.sent_at for r in recent if r.token_times and r.sent_at]
-        itls = [
-            (r.token_times[-1] - r.token_times[0]) / (len(r.token_times) - 1)
-            for r in recent
-            if len(r.token_times) > 1
-        ]
-        prefill = sim.serving("prefill")
+        while sim.sent:
+            at, prompt, _ = sim.sent.popleft()
+            self.window.arrived(at, prompt)
+        while sim.finished:
+            r = sim.finished.popleft()
+            if r.error is None and r.token_times and r.sent_at is not None:
+                gaps = len(r.token_times) - 1
+                itl = (r.token_times[-1] - r.token_times[0]) / gaps if gaps else None
+                self.window.finished(
+                    r.finished_at, len(r.token_times), r.token_times[0] - r.sent_at, itl
+                )
+        seen = self.window.summary(sim.now)
+        pending = {pool: sim.pending(pool) for pool in ("prefill", "decode")}
         return Observation(
             at=sim.now,
-            prefill_workers=len(sim.serving("prefill")) + sim.pending("prefill"),
-            decode_workers=len(sim.serving("decode")) + sim.pending("decode"),
-            arrival_rate=len(sent) / span,
-            mean_prompt=float(np.mean(prompts)) if prompts else 0.0,
-            mean_output=float(np.mean(outputs)) if outputs else 0.0,
-            queued_prefill_tokens=sum(w.queued_prompt_tokens for w in prefill),
-            observed_ttft_s=_p99(ttfts),
-            observed_itl_s=_p99(itls),
-            starting_workers=sim.pending("prefill") + sim.pending("decode"),
+            prefill_workers=len(sim.serving("prefill")) + pending["prefill"],
+            decode_workers=len(sim.serving("decode")) + pending["decode"],
+            arrival_rate=seen.arrival_rate,
+            mean_prompt=seen.mean_prompt,
+            mean_output=seen.mean_output,
+            queued_prefill_tokens=sum(w.queued_prompt_tokens for w in sim.serving("prefill")),
+            observed_ttft_s=seen.ttft_s,
+            observed_itl_s=seen.itl_s,
+            starting_workers=sum(pending.values()),
         )
 
     def apply(self, sim: Simulation, decision: Decision) -> None:
@@ -88,7 +81,3 @@ class PlannerDriver:
                 for _ in range(max(0, have[pool] - want[pool])):
                     worker = min(sim.serving(pool), key=lambda w: w.scheduler.num_unfinished)
                     sim.drain(worker.worker_id)
-
-
-def _p99(values: list[float]) -> float | None:
-    return float(np.percentile(values, 99)) if len(values) >= MIN_SAMPLES else None

@@ -12,61 +12,15 @@ none is feasible the plan says so (and shows how close each came), it never adds
 from __future__ import annotations
 
 import dataclasses
-import re
 from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 from loadtest.config import GoodputSLO, LoadConfig
-from loadtest.results import percentile_key
+from planning.slo import Objective
 from simulation.cluster import Simulation
 from simulation.deployment import Deployment, Scenario
 from simulation.report import simulated_record
 from simulation.workload import SimRequest, SimulationError
-
-SLO_KEY = re.compile(r"^(ttft|itl|tpot|e2el)_p(\d+(?:\.\d+)?)$")
-
-
-class Objective(NamedTuple):
-    metric: str  # ttft | itl | tpot | e2el
-    percentile: float
-    limit_ms: float
-
-    @property
-    def key(self) -> str:
-        """Its key in a result record, e.g. p99_ttft_ms."""
-        return percentile_key(self.percentile, self.metric)
-
-
-def parse_slo(text: str) -> tuple[Objective, ...]:
-    """ "ttft_p99=2s,itl_p99=50ms" -> objectives (a bare number is milliseconds)."""
-    objectives = []
-    for part in filter(None, (p.strip() for p in text.split(","))):
-        name, _, value = part.partition("=")
-        match = SLO_KEY.match(name.strip())
-        if match is None or not value:
-            raise SimulationError(
-                f"an SLO is metric_pNN=limit (metric: ttft, itl, tpot, e2el), not {part!r}"
-            )
-        objectives.append(Objective(match[1], float(match[2]), _milliseconds(value.strip())))
-    if not objectives:
-        raise SimulationError("give at least one objective, e.g. ttft_p99=2s,itl_p99=50ms")
-    return tuple(objectives)
-
-
-def _milliseconds(value: str) -> float:
-    for suffix, scale in (("ms", 1.0), ("s", 1000.0)):
-        if value.endswith(suffix):
-            value, factor = value[: -len(suffix)], scale
-            break
-    else:
-        factor = 1.0
-    try:
-        limit = float(value) * factor
-    except ValueError:
-        raise SimulationError(f"not a time limit: {value!r} (e.g. 2s or 50ms)") from None
-    if limit <= 0:
-        raise SimulationError("time limits must be > 0")
-    return limit
 
 
 def per_request_slo(objectives: Sequence[Objective]) -> GoodputSLO:

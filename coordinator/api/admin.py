@@ -6,6 +6,8 @@ route but the probes.
     POST /admin/workers/{id}/drain     no new requests; it leaves once its requests are done
     POST /admin/workers/{id}/role      {"role": "prefill"|"decode"}: switch pools, same weights
     GET  /admin/telemetry              each worker's latest engine steps (?worker=ID&limit=N)
+    GET  /admin/planner                the SLO planner: mode, targets, what it sees, decisions
+    POST /admin/planner                {"mode": "on"|"dry-run"|"off"}
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from coordinator.api.context import ServerContext, context_of
 from coordinator.api.errors import ApiError, invalid
+from coordinator.planner_loop import PlannerLoop
 from protocol.errors import PoolError
 
 router = APIRouter(prefix="/admin")
@@ -26,6 +29,11 @@ router = APIRouter(prefix="/admin")
 class RoleChange(BaseModel):
     model_config = ConfigDict(extra="forbid")
     role: Literal["prefill", "decode"]
+
+
+class PlannerMode(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    mode: Literal["on", "dry-run", "off"]
 
 
 class PoolSizes(BaseModel):
@@ -87,6 +95,29 @@ async def get_telemetry(
     if worker is not None and worker not in steps:
         raise ApiError(404, f"no telemetry from worker {worker!r}", code="worker_not_found")
     return JSONResponse({"workers": steps})
+
+
+@router.get("/planner")
+async def get_planner(request: Request) -> JSONResponse:
+    return JSONResponse(_planner(context_of(request)).status())
+
+
+@router.post("/planner")
+async def set_planner(body: PlannerMode, request: Request) -> JSONResponse:
+    planner = _planner(context_of(request))
+    planner.set_mode(body.mode)
+    return JSONResponse(planner.status())
+
+
+def _planner(ctx: ServerContext) -> PlannerLoop:
+    planner = getattr(ctx.client, "planner", None)
+    if planner is None:
+        raise ApiError(
+            404,
+            "this server has no SLO planner: start it with --planner-slo (and --planner)",
+            code="planner_not_configured",
+        )
+    return planner
 
 
 def _view(ctx: ServerContext) -> dict:

@@ -26,6 +26,7 @@ class ServerContext:
             lambda: self.admission.num_waiting,
             client.pools,
             getattr(client, "handover", None),  # disaggregated backends time the KV handover
+            getattr(client, "planner", None),  # and may run the SLO planner
         )
         self.token_texts = TokenTexts(client.tokenizer)
 

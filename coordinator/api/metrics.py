@@ -12,8 +12,10 @@ from collections.abc import AsyncIterator, Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from coordinator.api.planner_metrics import PlannerCollector
 from coordinator.api.streams import closing
 from coordinator.api.worker_metrics import WorkerStatsCollector
+from coordinator.planner_loop import PlannerLoop
 from engine.outputs import RequestOutput
 from protocol.stats import Histogram as ProtocolHistogram
 from protocol.stats import PoolWorker, WorkerStats
@@ -40,6 +42,7 @@ class ServerMetrics:
         admission_waiting: Callable[[], int],
         pools: Callable[[], list[PoolWorker]] = list,
         handover: ProtocolHistogram | None = None,
+        planner: PlannerLoop | None = None,
     ) -> None:
         self.model = model
         self.registry = r = CollectorRegistry()
@@ -71,6 +74,8 @@ class ServerMetrics:
         )  # fmt: skip
         waiting.labels(model).set_function(admission_waiting)
         r.register(WorkerStatsCollector(model, worker_stats, pools, handover))
+        if planner is not None:
+            r.register(PlannerCollector(model, planner))
 
     def _histogram(self, name: str, text: str, buckets: tuple[float, ...]) -> Histogram:
         family = Histogram(

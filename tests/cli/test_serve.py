@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import signal
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -27,6 +28,7 @@ FLAGS = [
     "--shutdown-grace", "--prefix-caching", "--seed", "--log-level", "--kv-checksum",
 ]  # fmt: skip
 START_TIMEOUT_S = 120
+REPO = Path(__file__).resolve().parents[2]
 STOP_TIMEOUT_S = 30
 
 
@@ -218,3 +220,32 @@ def _cmdline(pid: int) -> str:
             return f.read().replace(b"\0", b" ").decode(errors="replace")
     except OSError:
         return ""
+
+
+def test_planner_flags_and_their_errors(tiny_llama, tmp_path) -> None:
+    from coordinator.builder import planner_setup
+    from engine.config import ConfigError
+
+    profile = REPO / "benchmarks" / "profiles" / "smollm2-cpu-1thread.json"
+    args = serve_args(
+        "--model", str(tiny_llama), "--decode-workers", "2", "--planner", "dry-run",
+        "--planner-slo", "ttft_p95=1s,itl_p95=80ms", "--planner-profile", str(profile),
+        "--planner-max-workers", "5", "--planner-interval", "1.5",
+    )  # fmt: skip
+    deploy = deploy_config(args)
+    setup = planner_setup(engine_config(args), deploy, tiny_llama)
+    assert setup is not None and setup.settings.mode == "dry-run"
+    assert (setup.settings.interval_s, setup.settings.percentile) == (1.5, 95.0)
+    config = setup.planner.config
+    assert (config.ttft_slo_s, config.itl_slo_s, config.max_workers) == (1.0, 0.08, 5)
+    assert planner_setup(engine_config(args), DeployConfig(), tiny_llama) is None
+    with pytest.raises(ConfigError, match="needs --planner-slo"):
+        DeployConfig(planner="on")
+    with pytest.raises(ConfigError, match="--mode disaggregated"):
+        DeployConfig(mode="colocated", planner_slo="ttft_p99=1s,itl_p99=50ms")
+    missing = DeployConfig(planner="on", planner_slo="ttft_p99=1s,itl_p99=50ms")
+    with pytest.raises(ConfigError, match="tandem profile --model"):
+        planner_setup(engine_config(args), missing, tmp_path)
+    with pytest.raises(ConfigError, match="TTFT and an ITL"):
+        planner_setup(engine_config(args), DeployConfig(planner_slo="ttft_p99=1s"), tiny_llama)
+    assert serve_choices("--planner") == ["on", "dry-run", "off"]

@@ -28,6 +28,7 @@ import pytest
 from ray.exceptions import RayActorError
 
 from coordinator.coordinator import Coordinator, CoordinatorConfig
+from coordinator.planner_loop import PlannerSetup
 from coordinator.supervisor import SupervisorConfig
 from protocol.kv import Endpoint, KVLayout, Ticket
 from protocol.messages import PrefillResult, RequestFailed, TokenUpdate, WorkerUpdate, WorkRequest
@@ -289,6 +290,7 @@ class FakeCluster:
         num_decode: int = 1,
         eos_ids: frozenset[int] = frozenset(),
         spawn: bool = False,
+        planner: PlannerSetup | None = None,
     ) -> None:
         decodes = {
             f"decode-{i}": FakeDecodeActor(f"decode-{i}", eos_ids) for i in range(num_decode)
@@ -305,6 +307,7 @@ class FakeCluster:
         self.coordinator = Coordinator(
             "fake", FakeTokenizer(), MAX_MODEL_LEN, VOCAB_SIZE, eos_ids,  # type: ignore[arg-type]
             self.prefill, self.decode, config, spawn=self.spawn if spawn else None,
+            planner=planner,
         )  # fmt: skip
 
     def make_role(self, role: str, worker_id: str) -> FakePrefillActor | FakeDecodeActor:
@@ -363,7 +366,11 @@ ADMIN_SUPERVISION = SupervisorConfig(probe_interval=0.02, probe_timeout=0.2, res
 
 @contextlib.contextmanager
 def served_fake_cluster(
-    monkeypatch: pytest.MonkeyPatch, api_key: str
+    monkeypatch: pytest.MonkeyPatch,
+    api_key: str,
+    num_prefill: int = 1,
+    num_decode: int = 1,
+    planner: PlannerSetup | None = None,
 ) -> Iterator[tuple[FakeCluster, str]]:
     """A real HTTP server (the app and the Coordinator) over fake workers that can be spawned,
     with fast polls and probes and no Ray: (the cluster, the server's URL)."""
@@ -373,7 +380,7 @@ def served_fake_cluster(
 
     monkeypatch.setattr("ray.kill", lambda handle: None)
     config = CoordinatorConfig(block_size=4, supervision=ADMIN_SUPERVISION)
-    cluster = FakeCluster(config, num_prefill=1, num_decode=1, spawn=True)
+    cluster = FakeCluster(config, num_prefill, num_decode, spawn=True, planner=planner)
     cluster.coordinator.tokenizer.encode = lambda text, **_: [1, 2, 3, 4, 5, 6]
     app = create_app(cluster.coordinator, ServerSettings(api_key=api_key))
     server = ServerThread(app).start()

@@ -1,0 +1,84 @@
+"""LoadWindow: what the planner sees of the traffic, over the last `span_s` seconds.
+
+Whoever serves requests (the coordinator, or the simulator) reports each arrival with its prompt
+length, and each finished request with its output length, TTFT and mean ITL; `summary(now)`
+gives the arrival rate, mean lengths and latency percentiles of what fell in the window. Plain
+Python: bounded by the window, never by the run.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from typing import NamedTuple
+
+MIN_SAMPLES = 5  # fewer finished requests in the window: no observed percentile
+MAX_KEPT = 100_000  # per deque: a burst larger than this is summarised by its newest part
+
+
+class Finished(NamedTuple):
+    at: float
+    output_tokens: int
+    ttft_s: float
+    itl_s: float | None  # None for a one-token output
+
+
+class WindowSummary(NamedTuple):
+    arrival_rate: float  # requests per second
+    mean_prompt: float  # tokens, of the arrivals
+    mean_output: float  # tokens, of the finished requests (0 when none finished)
+    ttft_s: float | None  # the window's percentile, None with too few samples
+    itl_s: float | None
+    finished: int
+
+
+class LoadWindow:
+    def __init__(self, span_s: float = 10.0, percentile: float = 99.0) -> None:
+        self.span_s = span_s
+        self.percentile = percentile
+        self.arrivals: deque[tuple[float, int]] = deque(maxlen=MAX_KEPT)
+        self.done: deque[Finished] = deque(maxlen=MAX_KEPT)
+        self.started_at: float | None = None
+
+    def arrived(self, at: float, prompt_tokens: int) -> None:
+        if self.started_at is None:
+            self.started_at = at
+        self.arrivals.append((at, prompt_tokens))
+
+    def finished(self, at: float, output_tokens: int, ttft_s: float, itl_s: float | None) -> None:
+        self.done.append(Finished(at, output_tokens, ttft_s, itl_s))
+
+    def summary(self, now: float) -> WindowSummary:
+        since = now - self.span_s
+        while self.arrivals and self.arrivals[0][0] < since:
+            self.arrivals.popleft()
+        while self.done and self.done[0].at < since:
+            self.done.popleft()
+        # A window younger than its span (the first seconds) divides by what it has seen.
+        seen = self.span_s if self.started_at is None else min(self.span_s, now - self.started_at)
+        prompts = [tokens for _, tokens in self.arrivals]
+        itls = [f.itl_s for f in self.done if f.itl_s is not None]
+        return WindowSummary(
+            arrival_rate=len(prompts) / max(seen, 1e-9) if prompts else 0.0,
+            mean_prompt=_mean(prompts),
+            mean_output=_mean([f.output_tokens for f in self.done]),
+            ttft_s=percentile([f.ttft_s for f in self.done], self.percentile),
+            itl_s=percentile(itls, self.percentile),
+            finished=len(self.done),
+        )
+
+
+def _mean(values: list[int]) -> float:
+    return sum(values) / len(values) if values else 0.0
+
+
+def percentile(values: list[float], q: float) -> float | None:
+    """Linear interpolation between the closest ranks (numpy's default); None with fewer than
+    MIN_SAMPLES values."""
+    if len(values) < MIN_SAMPLES:
+        return None
+    ordered = sorted(values)
+    rank = (len(ordered) - 1) * q / 100.0
+    low = math.floor(rank)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
