@@ -29,7 +29,14 @@ from ray.exceptions import RayActorError
 
 from coordinator.planner_loop import LoopSettings, PlannerLoop, PlannerSetup
 from coordinator.request_state import TrackedRequest
-from coordinator.router import NoWorkerError, Route, RouteCosts, Router, queued_tokens
+from coordinator.router import (
+    NoWorkerError,
+    Route,
+    RouteCosts,
+    Router,
+    prefix_hashes,
+    queued_tokens,
+)
 from coordinator.supervisor import Spawn, Supervisor, SupervisorConfig, WorkerEntry
 from coordinator.telemetry import TelemetryStore
 from coordinator.update_server import UpdateServer
@@ -383,10 +390,11 @@ class Coordinator:
         ticket (None: prefilled on the decode worker). A dead decode worker is skipped; one
         that does not answer in time fails the attempt (TimeoutError)."""
         deadline = time.monotonic() + self.config.capacity_wait
+        hashes = prefix_hashes(work.token_ids, self.router.block_size)  # once, not per try
         while True:
             local = request.corrupt_transfers >= MAX_CORRUPT_TRANSFERS
-            route = self.router.route(work.token_ids, frozenset(request.avoid), local)
-            self.router.placed(route, work.token_ids)
+            route = self.router.route(work.token_ids, frozenset(request.avoid), local, hashes)
+            self.router.placed(route, work.token_ids, hashes)
             request.route = route  # from here on, ending the attempt frees what D reserved
             decode = self.decode[route.decode_id]
             try:

@@ -119,12 +119,18 @@ class Router:
         self._turns = {"prefill": 0, "decode": 0}  # round-robin positions
 
     def route(
-        self, token_ids: list[int], avoid: frozenset[str] = frozenset(), local: bool = False
+        self,
+        token_ids: list[int],
+        avoid: frozenset[str] = frozenset(),
+        local: bool = False,
+        hashes: list[int] | None = None,
     ) -> Route:
         """Picks workers (it records nothing: call `placed` as soon as the route is used).
         Workers in `avoid` (those that just failed this request) are chosen only when no
-        other worker of their pool can take it. `local`: the decode worker prefills it."""
-        hashes = prefix_hashes(token_ids, self.block_size)
+        other worker of their pool can take it. `local`: the decode worker prefills it.
+        `hashes`: the prompt's `prefix_hashes`, when the caller has them already."""
+        if hashes is None:
+            hashes = prefix_hashes(token_ids, self.block_size)
         decodes = _preferred(_open(self.decode, "decode"), avoid)
         prefills = _preferred([w for w in self.prefill.values() if w.alive and w.accepting], avoid)
         if self.policy == "cost":
@@ -197,8 +203,9 @@ class Router:
         for digest in evicted:
             load.prefixes.pop(digest, None)
 
-    def placed(self, route: Route, token_ids: list[int]) -> None:
-        hashes = prefix_hashes(token_ids, self.block_size)
+    def placed(self, route: Route, token_ids: list[int], hashes: list[int] | None = None) -> None:
+        if hashes is None:
+            hashes = prefix_hashes(token_ids, self.block_size)
         self.decode[route.decode_id].running += 1
         if route.prefill_id is None:
             self.decode[route.decode_id].remember(hashes)
