@@ -225,6 +225,41 @@ def format_tables(small_rows: dict, big: dict | None) -> str:
     return "\n".join(lines)
 
 
+def plot(small_rows: dict, big: dict | None, args: argparse.Namespace) -> None:
+    """One figure per workload: TTFT p99 and TPOT p99 per window (with the SLO as a dashed
+    line) and the share of requests meeting it, every layout on the same axes."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    args.plot_dir.mkdir(parents=True, exist_ok=True)
+    cases = {f"small-{name}": (rows, args.small_ttft_ms, args.small_itl_ms)
+             for name, rows in small_rows.items()}  # fmt: skip
+    if big is not None:
+        cases["large-sinusoid"] = ({"planner (from 4P4D)": big}, args.large_ttft_ms,
+                                   args.large_itl_ms)  # fmt: skip
+    for name, (rows, ttft_slo, itl_slo) in cases.items():
+        fig, axes = plt.subplots(3, 1, figsize=(9, 9), sharex=True)
+        for layout, r in rows.items():
+            t = [w["t"] for w in r["timeline"]]
+            style = {"linewidth": 2.2} if layout.startswith("planner") else {"alpha": 0.6}
+            axes[0].plot(t, [w["ttft_p99_ms"] for w in r["timeline"]], label=layout, **style)
+            axes[1].plot(t, [w["tpot_p99_ms"] for w in r["timeline"]], label=layout, **style)
+            axes[2].plot(t, [w["good"] for w in r["timeline"]], label=layout, **style)
+            for action in r["actions"]:
+                axes[0].axvline(action["at"], color="grey", linestyle=":", linewidth=0.8)
+        axes[0].axhline(ttft_slo, color="red", linestyle="--", linewidth=1)
+        axes[1].axhline(itl_slo, color="red", linestyle="--", linewidth=1)
+        axes[0].set(ylabel="TTFT p99 (ms)", yscale="log", title=name)
+        axes[1].set(ylabel="TPOT p99 (ms)", yscale="log")
+        axes[2].set(ylabel="share within SLO", xlabel="arrival time (s)", ylim=(0, 1.05))
+        axes[0].legend(fontsize=8)
+        fig.tight_layout()
+        fig.savefig(args.plot_dir / f"{name}.png", dpi=110)
+        plt.close(fig)
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--small-rate", type=float, default=1.0, help="req/s at 1x")
@@ -236,15 +271,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--large-ttft-ms", type=float, default=3000.0)
     p.add_argument("--large-itl-ms", type=float, default=100.0)
     p.add_argument("--skip-large", action="store_true")
+    p.add_argument("--skip-small", action="store_true")
     p.add_argument("--json", type=Path, default=None)
+    p.add_argument("--plot-dir", type=Path, default=None, help="TTFT/ITL p99 over time, PNG")
     return p.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    small_rows = small(args)
+    small_rows = {} if args.skip_small else small(args)
     big = None if args.skip_large else large(args)
     print(format_tables(small_rows, big))
+    if args.plot_dir is not None:
+        plot(small_rows, big, args)
     if args.json is not None:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         report = {"settings": vars(args), "small": small_rows, "large": big}

@@ -221,6 +221,7 @@ class PlannerLoop:
         cfg = self.planner.config
         return {
             "mode": self.mode,
+            "now": self.clock(),  # decisions' `at` are on this clock
             "slo": {"ttft_s": cfg.ttft_slo_s, "itl_s": cfg.itl_slo_s},
             "limits": {"min_workers": cfg.min_workers, "max_workers": cfg.max_workers},
             "interval_s": self.settings.interval_s,

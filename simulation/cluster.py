@@ -197,19 +197,20 @@ class Simulation:
         except NoWorkerError as err:
             self._done(run, str(err))
             return
-        self.router.placed(route, ids, hashes)  # type: ignore[arg-type]
         decode = self.workers[route.decode_id]
         num_prompt = len(run.request.prompt_ids)
         seq = decode.new_sequence(run.key, ids, num_prompt)
+        if route.prefill_id is not None and not decode.reserve(seq):
+            # The coordinator counts the route before its reserve call and undoes it on a
+            # refusal; nothing happens in between here, so a refused route is never counted.
+            self.at(self.now + self.scenario.overheads.reserve_retry, self._place, run)
+            return
+        self.router.placed(route, ids, hashes)  # type: ignore[arg-type]
         if route.prefill_id is None:
             seq.arrival_time = self.now
             decode.scheduler.add(seq)
             self._hold(run, route, decode_seq=seq)
             self._wake(decode)
-            return
-        if not decode.reserve(seq):
-            self.router.unplace(route, ids)  # type: ignore[arg-type]
-            self.at(self.now + self.scenario.overheads.reserve_retry, self._place, run)
             return
         prefill = self.workers[route.prefill_id]
         pseq = prefill.new_sequence(run.key, ids, num_prompt)
