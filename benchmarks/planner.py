@@ -66,7 +66,7 @@ def run(scenario, requests, slo, planner_cfg=None, window=60.0):  # noqa: ANN001
     driver = None
     if planner_cfg is not None:
         driver = PlannerDriver(Planner(scenario.costs.step, planner_cfg))
-        sim.on_poll = driver
+        sim.on_poll = progress(driver)
     started = time.perf_counter()
     outcome = sim.run()
     wall = time.perf_counter() - started
@@ -96,6 +96,21 @@ def run(scenario, requests, slo, planner_cfg=None, window=60.0):  # noqa: ANN001
         "simulated_s": outcome.duration_s,
         "events": outcome.num_events,
     }
+
+
+def progress(driver: PlannerDriver):  # noqa: ANN201
+    """The driver, plus a line on stderr every 100 simulated seconds (long runs)."""
+    shown = [0.0]
+    began = time.perf_counter()
+
+    def poll(sim: Simulation) -> None:
+        driver(sim)
+        if sim.now - shown[0] >= 100.0:
+            shown[0] = sim.now
+            wall = time.perf_counter() - began
+            print(f"  simulated {sim.now:.0f} s in {wall:.0f} s", file=sys.stderr, flush=True)
+
+    return poll
 
 
 def _worker_seconds(driver, outcome: Outcome, scenario: Scenario) -> float:  # noqa: ANN001

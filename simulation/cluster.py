@@ -190,6 +190,9 @@ class Simulation:
     # -- the coordinator -----------------------------------------------------------------
 
     def _place(self, run: Run) -> None:
+        if self._no_decode_room():  # what routing would find, without hashing and routing
+            self.at(self.now + self.scenario.overheads.reserve_retry, self._place, run)
+            return
         ids = run.token_ids()
         try:
             hashes = run.prefix_hashes(self.router.block_size)
@@ -217,6 +220,20 @@ class Simulation:
         prefill.scheduler.add(pseq)
         self._hold(run, route, decode_seq=seq, prefill_seq=pseq)
         self._wake(prefill)
+
+    def _no_decode_room(self) -> bool:
+        """Every decode worker has all its sequence slots taken while the route is sure to be
+        remote (load routing, no local prefill, a prefill worker up): the reservation would be
+        refused wherever the router sent it."""
+        deployment = self.scenario.deployment
+        if (
+            deployment.routing == "cost"
+            or deployment.local_threshold
+            or not self.serving("prefill")
+        ):
+            return False
+        decodes = self.serving("decode")
+        return bool(decodes) and not any(w.has_room() for w in decodes)
 
     def _hold(
         self,
