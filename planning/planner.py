@@ -1,7 +1,8 @@
 """The SLO planner's decisions: how many prefill and decode workers the load in front of us needs.
 
-Pure logic on numbers (no Ray, no simulator): whoever drives it (the simulator's poll today)
-hands it an `Observation` every few seconds and carries out the `Decision` it returns.
+Pure logic on numbers (no Ray, no simulator): whoever drives it (coordinator/planner_loop.py
+live, simulation/autoscale.py in simulation) hands it an `Observation` every few seconds and
+carries out the `Decision` it returns.
 
 Prediction, queue included (`predict`), from the per-step cost model:
 - prefill: a prompt of the mean length takes t_p seconds on a prefill worker; P workers serve
