@@ -152,13 +152,15 @@ def _add_model_flags(g: argparse._ArgumentGroup) -> None:
     )
 
 
-def _add_cluster_flags(g: argparse._ArgumentGroup) -> None:
-    def deploy(name: str) -> Any:
-        return default_of(DeployConfig, name)
+def _deploy(name: str) -> Any:
+    """A DeployConfig field's default, for the flag that sets it."""
+    return default_of(DeployConfig, name)
 
+
+def _add_cluster_flags(g: argparse._ArgumentGroup) -> None:
     g.add_argument(
         "--mode",
-        default=deploy("mode"),
+        default=_deploy("mode"),
         choices=MODES,
         help="separate prefill and decode pools, or one pool doing both",
     )
@@ -168,13 +170,13 @@ def _add_cluster_flags(g: argparse._ArgumentGroup) -> None:
     g.add_argument(
         "--prefill-workers",
         type=int,
-        help=f"prefill pool size (default: {deploy('num_prefill')}; in colocated mode 0, so the "
+        help=f"prefill pool size (default: {_deploy('num_prefill')}; in colocated mode 0, so the "
         "pool is one worker with every core, unless set: then the pool is prefill + decode)",
     )
     g.add_argument(
         "--decode-workers",
         type=int,
-        default=deploy("num_decode"),
+        default=_deploy("num_decode"),
         help="decode (or colocated) pool size",
     )
     g.add_argument(
@@ -193,48 +195,48 @@ def _add_cluster_flags(g: argparse._ArgumentGroup) -> None:
     g.add_argument(
         "--local-prefill-threshold",
         type=int,
-        default=deploy("local_prefill_threshold"),
+        default=_deploy("local_prefill_threshold"),
         metavar="TOKENS",
         help="with --routing load: prompts with fewer uncached tokens are prefilled on the "
         "decode worker; 0: never",
     )
     g.add_argument(
         "--routing",
-        default=deploy("routing"),
+        default=_deploy("routing"),
         choices=ROUTING_POLICIES,
         help="cost: cheapest predicted prefill work, using each worker's reported prefix cache; "
         "load: least loaded workers; round-robin",
     )
     g.add_argument(
         "--kv-transport",
-        default=deploy("kv_transport"),
+        default=_deploy("kv_transport"),
         choices=KV_TRANSPORT_CHOICES,
         help="how KV moves between workers; auto: nccl on GPU, gloo on CPU",
     )
     g.add_argument(
         "--kv-transfer-timeout",
         type=float,
-        default=deploy("transfer_timeout"),
+        default=_deploy("transfer_timeout"),
         metavar="SECONDS",
         help="how long a decode worker holds blocks reserved for KV that has not arrived",
     )
     g.add_argument(
         "--kv-checksum",
         action=argparse.BooleanOptionalAction,
-        default=deploy("kv_checksum"),
+        default=_deploy("kv_checksum"),
         help="check every transferred layer's checksum before decoding from it",
     )
     g.add_argument(
         "--threads-per-worker",
         type=int,
-        default=deploy("threads_per_worker"),
+        default=_deploy("threads_per_worker"),
         metavar="N",
         help="torch threads of each CPU worker (default: the machine's cores / workers)",
     )
     g.add_argument(
         "--placement-timeout",
         type=float,
-        default=deploy("placement_timeout"),
+        default=_deploy("placement_timeout"),
         metavar="SECONDS",
         help="fail the start when Ray has not placed every worker by then (raise it while an "
         "autoscaler adds nodes)",
@@ -242,12 +244,9 @@ def _add_cluster_flags(g: argparse._ArgumentGroup) -> None:
 
 
 def _add_planner_flags(g: argparse._ArgumentGroup) -> None:
-    def deploy(name: str) -> Any:
-        return default_of(DeployConfig, name)
-
     g.add_argument(
         "--planner",
-        default=deploy("planner"),
+        default=_deploy("planner"),
         choices=PLANNER_MODES,
         help="on: switch roles, grow and shrink the pools to keep --planner-slo; dry-run: "
         "only recommend (GET /admin/planner, /metrics); off: neither (POST /admin/planner "
@@ -273,7 +272,7 @@ def _add_planner_flags(g: argparse._ArgumentGroup) -> None:
     g.add_argument(
         "--planner-interval",
         type=float,
-        default=deploy("planner_interval"),
+        default=_deploy("planner_interval"),
         metavar="SECONDS",
         help="time between decisions",
     )

@@ -286,15 +286,15 @@ class Coordinator:
         self.check_request(prompt_ids, params)
         request_id = request_id or f"req-{next(self._ids)}"
         request = TrackedRequest(request_id, list(prompt_ids), params, self.tokenizer)
-        arrived = first = time.monotonic()
+        arrived, first = time.monotonic(), None
         self.window.arrived(arrived, len(prompt_ids))
         driver = asyncio.create_task(self._drive(request))
         try:
             async for output in read_stream(request.stream):
                 now = time.monotonic()
-                if output.token_ids and first == arrived:
+                if first is None and output.token_ids:
                     first = now
-                if output.finished:
+                if output.finished and first is not None:
                     gaps = len(output.token_ids) - 1
                     itl = (now - first) / gaps if gaps > 0 else None
                     self.window.finished(now, len(output.token_ids), first - arrived, itl)

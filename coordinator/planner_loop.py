@@ -209,7 +209,7 @@ class PlannerLoop:
                 self.pools.scale(want)
                 if decision.action == "shrink":
                     self.pools.request_capacity(sum(want.values()))
-        except (PoolError, KeyError, TimeoutError) as err:
+        except PoolError as err:  # a change the pools refuse: its message says why
             return f"failed: {err}"
         except Exception as err:  # a worker that died mid-switch, Ray refusing a request
             return f"failed: {type(err).__name__}: {err}"
