@@ -84,6 +84,10 @@ INPROCESS = "inprocess"
 LAYOUTS = {  # served targets: their `tandem serve` layout flags
     "colocated": ("--mode", "colocated", "--prefill-workers", "0", "--decode-workers", "1"),
     "1p1d": ("--mode", "disaggregated", "--prefill-workers", "1", "--decode-workers", "1"),
+    # Every worker on every core (the cores oversubscribed 2x): the decode worker's steps get
+    # both cores whenever the prefill worker idles.
+    "1p1d-shared": ("--mode", "disaggregated", "--prefill-workers", "1", "--decode-workers", "1",
+                    "--threads-per-worker", str(os.cpu_count() or 1)),
     # Not in the default targets: SmolLM2-135M's 9 heads do not split 2 ways (overhead's do).
     "colocated-tp2": ("--mode", "colocated", "--prefill-workers", "0", "--decode-workers", "1",
                       "--tensor-parallel-size", "2"),
@@ -404,9 +408,11 @@ def engine_session(model: Path, workload: Workload, args: argparse.Namespace) ->
     from engine.engine import LLMEngine
     from engine.tokenizer import Tokenizer
 
-    torch.set_num_threads(os.cpu_count() or 1)  # what tandem serve gives its one colocated worker
+    # What tandem serve gives its one colocated worker: every core on the engine thread, one on
+    # the thread that loads the model (so the process holds one OpenMP team, kernels/threads.py).
+    torch.set_num_threads(1)
     engine = LLMEngine(engine_config(model, args))
-    async_engine = AsyncEngine(engine, Tokenizer(model))
+    async_engine = AsyncEngine(engine, Tokenizer(model), num_threads=os.cpu_count() or 1)
     endpoint = EngineEndpoint(async_engine, args.request_timeout)
     return asyncio.run(_engine_rounds(endpoint, workload, args.concurrency))
 

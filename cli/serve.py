@@ -231,7 +231,8 @@ def _add_cluster_flags(g: argparse._ArgumentGroup) -> None:
         type=int,
         default=_deploy("threads_per_worker"),
         metavar="N",
-        help="torch threads of each CPU worker (default: the machine's cores / workers)",
+        help="torch threads of each CPU worker (default: cores / workers; a decode worker: "
+        "cores / decode workers, as decode uses the cores prefill leaves idle)",
     )
     g.add_argument(
         "--placement-timeout",

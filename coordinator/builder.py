@@ -7,9 +7,14 @@ where workers go).
                    (the same total resources, for comparisons)
 
 Placement: on CUDA one GPU per rank; on CPU one Ray CPU per rank (a share of one when the
-cluster has fewer CPUs than ranks), with torch threads set to the machine's cores divided among
-the ranks. A worker of tensor parallel size N > 1 gets a placement group of N such bundles,
-STRICT_PACK (one node): rank 0, the WorkerActor, on bundle 0 and its followers on the others
+cluster has fewer CPUs than ranks). Torch threads (CPU): a colocated or prefill rank gets the
+machine's cores divided among all ranks; a decode rank the cores divided among the decode ranks
+only. Decode steps run back to back while prefill comes in bursts, so decode takes the cores
+prefill leaves idle (2 cores, SmolLM2, 1P1D: 436 vs 319 tok/s served with one thread each;
+docs/performance.md). A worker keeps its count across role switches.
+
+A worker of tensor parallel size N > 1 gets a placement group of N such bundles, STRICT_PACK
+(one node): rank 0, the WorkerActor, on bundle 0 and its followers on the others
 (worker/ranks.py); the group is removed when the worker is retired. When the cluster advertises
 `prefill` / `decode` resources (see cluster.yaml), each worker asks for one unit of its pool's
 resource.
@@ -171,16 +176,21 @@ class WorkerSpawner:
         self.engine = engine
         self.deploy = deploy
         self.total = deploy.num_prefill + deploy.num_decode
+        prefill_ranks = 0
         if deploy.mode == "colocated":
             self.ranks = self.total * self.tensor_parallel("colocated")
         else:
-            self.ranks = deploy.num_prefill * self.tensor_parallel("prefill")
-            self.ranks += deploy.num_decode * self.tensor_parallel("decode")
+            prefill_ranks = deploy.num_prefill * self.tensor_parallel("prefill")
+            self.ranks = prefill_ranks + deploy.num_decode * self.tensor_parallel("decode")
         cluster_cpus = ray.cluster_resources().get("CPU", 1.0)
         # Ranks share cores when there are fewer than ranks (a laptop, a CI box); on a
         # cluster each takes a whole Ray CPU.
         self.num_cpus = min(1.0, cluster_cpus / self.ranks)
-        self.threads = deploy.threads_per_worker or max(1, (os.cpu_count() or 1) // self.ranks)
+        cores = os.cpu_count() or 1
+        self.threads = {pool: max(1, cores // self.ranks) for pool in ("colocated", "prefill")}
+        self.threads["decode"] = max(1, cores // max(1, self.ranks - prefill_ranks))
+        if deploy.threads_per_worker:
+            self.threads = dict.fromkeys(self.threads, deploy.threads_per_worker)
         self._next_index: dict[str, int] = {}
         self._groups: dict[str, Any] = {}  # worker id -> its placement group (TP > 1)
         self.worker_ranks: dict[str, int] = {}  # worker id -> its tensor-parallel ranks
@@ -220,7 +230,7 @@ class WorkerSpawner:
             .options(**options)
             .remote(
                 *args,
-                self.threads,
+                self.threads[pool],
                 role,
                 verify_kv=self.deploy.kv_checksum,
                 kv_fault=self.deploy.kv_fault,

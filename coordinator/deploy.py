@@ -25,7 +25,7 @@ class DeployConfig:
     kv_fault: str | None = None  # tests only: every worker's KV sends misbehave (kvtransfer/faults)
     local_prefill_threshold: int = 0  # tokens; shorter uncached prompts prefill on decode
     routing: str = "load"  # coordinator/router.py POLICIES
-    threads_per_worker: int | None = None  # CPU only; default: cores / workers
+    threads_per_worker: int | None = None  # CPU only; default: coordinator/builder.py's split
     placement_timeout: float = 30.0  # seconds Ray may take to place each worker's process
     model_name: str | None = None  # served id; default: the model folder's name
     prefill_tp: int | None = None  # ranks per prefill worker; default: the engine's

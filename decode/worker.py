@@ -51,9 +51,11 @@ class DecodeWorker:
         transfer_timeout: float,
         host: str = "127.0.0.1",
         verify_kv: bool = True,
+        num_threads: int | None = None,
     ) -> None:
         """Serves `engine` (idle, owned by no thread yet) until shutdown(), which leaves it
-        idle again for another role. `verify_kv`: tickets ask for the KV's checksums."""
+        idle again for another role. `verify_kv`: tickets ask for the KV's checksums.
+        `num_threads`: the engine thread's cores (default: the caller's torch thread count)."""
         self.worker_id = worker_id
         self.verify_kv = verify_kv
         self.engine = engine
@@ -89,6 +91,7 @@ class DecodeWorker:
             lambda: self.engine.has_unfinished,
             self._crashed,
             housekeeping=self._expire_leases,
+            num_threads=num_threads,
         )
 
     # -- any thread ------------------------------------------------------------------------

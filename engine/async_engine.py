@@ -32,8 +32,13 @@ log = logging.getLogger(__name__)
 
 
 class AsyncEngine:
-    def __init__(self, engine: LLMEngine, tokenizer: Tokenizer) -> None:
+    def __init__(
+        self, engine: LLMEngine, tokenizer: Tokenizer, num_threads: int | None = None
+    ) -> None:
+        """`num_threads`: the engine thread's cores (default: the torch thread count of the
+        thread that calls start())."""
         self.engine = engine
+        self.num_threads = num_threads
         self.tokenizer = tokenizer
         self._streams: dict[str, tuple[RequestState, asyncio.Queue]] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -44,7 +49,11 @@ class AsyncEngine:
         """Starts the engine thread; outputs are delivered to the calling event loop."""
         self._loop = asyncio.get_running_loop()
         self._thread = EngineThread(
-            "tandem-engine", self._step, lambda: self.engine.has_unfinished, self._crashed
+            "tandem-engine",
+            self._step,
+            lambda: self.engine.has_unfinished,
+            self._crashed,
+            num_threads=self.num_threads,
         )
 
     def shutdown(self, timeout: float = 10.0) -> None:

@@ -28,12 +28,16 @@ class EngineThread:
         has_work: Callable[[], bool],
         on_crash: Callable[[BaseException], None],
         housekeeping: Callable[[], None] | None = None,
+        num_threads: int | None = None,
     ) -> None:
-        """`housekeeping()` runs every loop turn, at least every IDLE_WAIT_SECONDS."""
+        """`housekeeping()` runs every loop turn, at least every IDLE_WAIT_SECONDS.
+        `num_threads`: the cores the engine's ops use (default: the creator's torch count).
+        Load the model on a thread kept at one torch thread, so that the engine thread's
+        OpenMP team is the process's only one (kernels/threads.py)."""
         self._housekeeping = housekeeping
-        # OpenMP thread counts are per thread: carry the creator's over, or a fresh thread
-        # would use every core whatever the worker was given.
-        self._num_threads = torch.get_num_threads()
+        # OpenMP thread counts are per thread: carry the creator's over unless told, or a fresh
+        # thread would use every core whatever the worker was given.
+        self._num_threads = num_threads or torch.get_num_threads()
         self._step = step
         self._has_work = has_work
         self._on_crash = on_crash

@@ -90,11 +90,13 @@ class PrefillWorker:
         transport: Transport,
         transfer_timeout: float,
         pipeline_layers: bool = True,
+        num_threads: int | None = None,
     ) -> None:
         """Serves `engine` (idle, owned by no thread yet) until shutdown(), which leaves it
         idle again for another role. `pipeline_layers=False` holds every layer back until the
         step's forward pass ends (send after prefill): the baseline that
-        benchmarks/kv_transfer.py compares against."""
+        benchmarks/kv_transfer.py compares against. `num_threads`: the engine thread's cores
+        (default: the caller's torch thread count)."""
         self.worker_id = worker_id
         self.pipeline_layers = pipeline_layers
         self.engine = engine
@@ -108,7 +110,11 @@ class PrefillWorker:
         if self.ranks is not None:  # each sends its own routes
             self.ranks.call(["prefill", transport.name, transfer_timeout])
         self.thread = EngineThread(
-            f"prefill-{worker_id}", self._step, lambda: self.engine.has_unfinished, self._crashed
+            f"prefill-{worker_id}",
+            self._step,
+            lambda: self.engine.has_unfinished,
+            self._crashed,
+            num_threads=num_threads,
         )
 
     # -- any thread ------------------------------------------------------------------------

@@ -51,7 +51,10 @@ class WorkerActor:
         kv_fault: str | None = None,  # tests only: see kvtransfer/faults.py
         placement: tuple[Any, dict[str, float]] | None = None,  # TP: group, bundle resources
     ) -> None:
-        use_threads(num_threads)
+        # The engine thread alone runs parallel ops with `num_threads`; this thread loads the
+        # model on one, so the process holds one OpenMP team (kernels/threads.py).
+        use_threads(1)
+        self.num_threads = num_threads
         self.worker_id = worker_id
         self.transfer_timeout = transfer_timeout
         self.verify_kv = verify_kv
@@ -60,7 +63,7 @@ class WorkerActor:
         if config.tensor_parallel_size > 1:
             if placement is None:
                 raise ValueError("a tensor-parallel worker needs its placement group")
-            launch = ray_launcher(*placement)
+            launch = ray_launcher(*placement, num_threads)
         self.engine = LLMEngine(config, launch)
         if self.engine.runner.ranks is not None:
             self.engine.runner.ranks.on_lost = self._rank_lost
@@ -76,7 +79,13 @@ class WorkerActor:
 
     def _start(self, role: str) -> PrefillWorker | DecodeWorker:
         if role == "prefill":
-            return PrefillWorker(self.worker_id, self.engine, self.transport, self.transfer_timeout)
+            return PrefillWorker(
+                self.worker_id,
+                self.engine,
+                self.transport,
+                self.transfer_timeout,
+                num_threads=self.num_threads,
+            )
         return DecodeWorker(
             self.worker_id,
             self.engine,
@@ -84,6 +93,7 @@ class WorkerActor:
             self.transfer_timeout,
             self.host,
             self.verify_kv,
+            num_threads=self.num_threads,
         )
 
     # -- both roles ------------------------------------------------------------------------

@@ -35,9 +35,12 @@ class RankActor:
         os._exit(0)
 
 
-def ray_launcher(placement_group: Any, bundle_resources: dict[str, float]) -> Launcher:
-    """Places rank r on bundle r of `placement_group` (bundle 0 holds rank 0, the caller).
-    The launch returns the actor's handle: Ray ends an actor whose handles are all dropped."""
+def ray_launcher(
+    placement_group: Any, bundle_resources: dict[str, float], num_threads: int
+) -> Launcher:
+    """Places rank r on bundle r of `placement_group` (bundle 0 holds rank 0, the caller),
+    its ops on `num_threads` cores. The launch returns the actor's handle: Ray ends an actor
+    whose handles are all dropped."""
 
     def launch(spec: FollowerSpec) -> Any:
         return (
@@ -50,7 +53,7 @@ def ray_launcher(placement_group: Any, bundle_resources: dict[str, float]) -> La
                     placement_group, placement_group_bundle_index=spec.rank
                 ),
             )
-            .remote(spec._replace(hooks=RankRoles))
+            .remote(spec._replace(hooks=RankRoles, num_threads=num_threads))
         )
 
     return launch

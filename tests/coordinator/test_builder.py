@@ -1,5 +1,6 @@
-"""connect_ray: only a Ray cluster this process starts itself runs without token auth. Ray is
-never started here: ray.init and ray.is_initialized are stand-ins."""
+"""connect_ray: only a Ray cluster this process starts itself runs without token auth;
+WorkerSpawner: each pool's torch threads. Ray is never started here: ray.init,
+ray.is_initialized and ray.cluster_resources are stand-ins."""
 
 from __future__ import annotations
 
@@ -8,7 +9,9 @@ import os
 import pytest
 import ray
 
-from coordinator.builder import connect_ray
+from coordinator.builder import WorkerSpawner, connect_ray
+from coordinator.deploy import DeployConfig
+from engine.config import EngineConfig
 
 
 @pytest.fixture
@@ -46,3 +49,21 @@ def test_already_connected_does_nothing(ray_init, monkeypatch) -> None:
     connect_ray(None)
     assert ray_init == []
     assert "RAY_AUTH_MODE" not in os.environ
+
+
+@pytest.mark.parametrize(
+    ("cores", "deploy", "expected"),
+    [
+        # decode steps back to back, prefill in bursts: decode takes the cores prefill idles on
+        (2, DeployConfig(num_prefill=1, num_decode=1), {"prefill": 1, "decode": 2}),
+        (8, DeployConfig(num_prefill=2, num_decode=2), {"prefill": 2, "decode": 4}),
+        (2, DeployConfig(num_prefill=1, num_decode=2), {"prefill": 1, "decode": 1}),
+        (2, DeployConfig(mode="colocated", num_prefill=0, num_decode=1), {"colocated": 2}),
+        (2, DeployConfig(num_decode=1, threads_per_worker=3), {"prefill": 3, "decode": 3}),
+    ],
+)  # fmt: skip
+def test_torch_threads_per_pool(monkeypatch, cores, deploy, expected) -> None:
+    monkeypatch.setattr(os, "cpu_count", lambda: cores)
+    monkeypatch.setattr(ray, "cluster_resources", lambda: {"CPU": float(cores)})
+    spawner = WorkerSpawner(EngineConfig(model="unused"), deploy)
+    assert {pool: spawner.threads[pool] for pool in expected} == expected

@@ -86,3 +86,23 @@ def test_engine_thread_keeps_its_creators_count_when_a_receiver_sets_one():
     finally:
         torch.set_num_threads(previous)
     assert seen == [2]
+
+
+def test_threads_that_never_asked_start_on_one_core():
+    """After an engine thread takes two cores, a thread that set nothing (a KV sender copying
+    a tensor, an asyncio helper) runs its first op on one and so opens no team of its own."""
+    counts: dict[str, int] = {}
+
+    def engine() -> None:
+        use_threads(2)
+        counts["engine"] = torch.get_num_threads()
+
+    def bystander() -> None:
+        torch.ones(256, 256).exp()
+        counts["bystander"] = torch.get_num_threads()
+
+    for target in (engine, bystander):
+        thread = threading.Thread(target=target)
+        thread.start()
+        thread.join(10)
+    assert counts == {"engine": 2, "bystander": 1}
