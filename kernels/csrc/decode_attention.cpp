@@ -1,7 +1,7 @@
 // Decode attention on CPU straight from the paged KV cache: one query token per sequence,
-// grouped-query heads, no gathered copy of K/V. One task per (sequence, KV head), spread over
-// torch's own thread pool: the group's query heads score every cached key (pass 1 over K, in
-// cache order), softmax in float32, then accumulate V (pass 2, same order).
+// grouped-query heads, no gathered copy of K/V. One task per sequence, spread over torch's own
+// thread pool: every query head scores every cached key (pass 1 over K, in cache order),
+// softmax in float32, then accumulates V (pass 2, same order).
 // Same contract as kernels/decode_attention.py::decode_attention_ref.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -26,37 +26,54 @@ inline void widen(const T* src, float* dst, int64_t n) {
   for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<float>(src[i]);
 }
 
+// Asks for a cache block before it is read: blocks sit anywhere in the cache, so the hardware
+// prefetcher, which follows one stream, stalls at every jump from one block to the next.
+template <typename T>
+inline void prefetch_block(const T* cache, int64_t block, int64_t bytes) {
+  const char* first = reinterpret_cast<const char*>(cache) + block * bytes;
+  for (int64_t offset = 0; offset < bytes; offset += 64) __builtin_prefetch(first + offset);
+}
+
 template <typename T, int kHeadDim>
 void decode_attention_kernel(const T* query, const T* key_cache, const T* value_cache,
                              const int64_t* block_tables, const int64_t* context_lens, T* out,
                              int64_t batch, int64_t heads, int64_t kv_heads, int64_t block_size,
                              int64_t max_blocks, float scale) {
   const int64_t group = heads / kv_heads;
-  at::parallel_for(0, batch * kv_heads, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> queries(group * kHeadDim), acc(group * kHeadDim), scores;
+  const int64_t block_bytes = block_size * kv_heads * kHeadDim * sizeof(T);
+  // One task per sequence: a cache block holds every KV head of its tokens side by side, so a
+  // sequence's blocks are read front to back, once for K and once for V.
+  at::parallel_for(0, batch, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> queries(heads * kHeadDim), acc(heads * kHeadDim), scores;
     alignas(64) float row[kHeadDim];
-    for (int64_t task = begin; task < end; ++task) {
-      const int64_t b = task / kv_heads, h = task % kv_heads, len = context_lens[b];
+    for (int64_t b = begin; b < end; ++b) {
+      const int64_t len = context_lens[b];
       const int64_t* table = block_tables + b * max_blocks;
-      widen(query + (b * heads + h * group) * kHeadDim, queries.data(), group * kHeadDim);
+      widen(query + b * heads * kHeadDim, queries.data(), heads * kHeadDim);
       for (float& x : queries) x *= scale;
-      scores.resize(group * len);
+      scores.resize(heads * len);  // query head q's scores at [q * len, (q + 1) * len)
       for (int64_t start = 0; start < len; start += block_size) {
         const int64_t n = std::min(block_size, len - start);
-        const int64_t first_slot = table[start / block_size] * block_size;
+        const T* keys = key_cache + table[start / block_size] * block_size * kv_heads * kHeadDim;
+        if (start + block_size < len) {
+          prefetch_block(key_cache, table[start / block_size + 1], block_bytes);
+        }
         for (int64_t i = 0; i < n; ++i) {
-          widen(key_cache + ((first_slot + i) * kv_heads + h) * kHeadDim, row, kHeadDim);
-          for (int64_t g = 0; g < group; ++g) {
-            const float* q = queries.data() + g * kHeadDim;
-            float dot = 0.f;
+          for (int64_t h = 0; h < kv_heads; ++h) {
+            widen(keys + (i * kv_heads + h) * kHeadDim, row, kHeadDim);
+            for (int64_t g = 0; g < group; ++g) {
+              const int64_t head = h * group + g;
+              const float* q = queries.data() + head * kHeadDim;
+              float dot = 0.f;
 #pragma omp simd reduction(+ : dot)
-            for (int d = 0; d < kHeadDim; ++d) dot += q[d] * row[d];
-            scores[g * len + start + i] = dot;
+              for (int d = 0; d < kHeadDim; ++d) dot += q[d] * row[d];
+              scores[head * len + start + i] = dot;
+            }
           }
         }
       }
-      for (int64_t g = 0; g < group; ++g) {
-        float* s = scores.data() + g * len;
+      for (int64_t head = 0; head < heads; ++head) {
+        float* s = scores.data() + head * len;
         const float top = *std::max_element(s, s + len);
         float total = 0.f;
 #pragma omp simd reduction(+ : total)
@@ -71,19 +88,26 @@ void decode_attention_kernel(const T* query, const T* key_cache, const T* value_
       std::fill(acc.begin(), acc.end(), 0.f);
       for (int64_t start = 0; start < len; start += block_size) {
         const int64_t n = std::min(block_size, len - start);
-        const int64_t first_slot = table[start / block_size] * block_size;
+        const T* values =
+            value_cache + table[start / block_size] * block_size * kv_heads * kHeadDim;
+        if (start + block_size < len) {
+          prefetch_block(value_cache, table[start / block_size + 1], block_bytes);
+        }
         for (int64_t i = 0; i < n; ++i) {
-          widen(value_cache + ((first_slot + i) * kv_heads + h) * kHeadDim, row, kHeadDim);
-          for (int64_t g = 0; g < group; ++g) {
-            const float p = scores[g * len + start + i];
-            float* a = acc.data() + g * kHeadDim;
+          for (int64_t h = 0; h < kv_heads; ++h) {
+            widen(values + (i * kv_heads + h) * kHeadDim, row, kHeadDim);
+            for (int64_t g = 0; g < group; ++g) {
+              const int64_t head = h * group + g;
+              const float p = scores[head * len + start + i];
+              float* a = acc.data() + head * kHeadDim;
 #pragma omp simd
-            for (int d = 0; d < kHeadDim; ++d) a[d] += p * row[d];
+              for (int d = 0; d < kHeadDim; ++d) a[d] += p * row[d];
+            }
           }
         }
       }
-      T* o = out + (b * heads + h * group) * kHeadDim;
-      for (int64_t i = 0; i < group * kHeadDim; ++i) o[i] = static_cast<T>(acc[i]);
+      T* o = out + b * heads * kHeadDim;
+      for (int64_t i = 0; i < heads * kHeadDim; ++i) o[i] = static_cast<T>(acc[i]);
     }
   });
 }
