@@ -16,8 +16,9 @@ Decisions, in order of cost, at most one per tick:
 1. the SLO is threatened (predicted or observed TTFT/ITL over its limit): switch one worker to
    the other pool when some split of the same workers meets the SLO;
 2. no split does: grow, asking for the whole deficit at once (the smallest worker count up to
-   `max_workers` whose best split meets it); none does up to the cap: report it infeasible and
-   do not grow past the cap;
+   `max_workers` whose best split meets it); none does up to the cap: move to the layout of
+   `max_workers` closest to the SLO (best score) if it is clearly closer than the layout now,
+   else report it infeasible; never grow past the cap;
 3. all is well and one worker fewer would still meet the SLO with margin (its load re-predicted
    on the survivors) for `shrink_hold_s`: shrink by one.
 Stability: a cool-down after each action; a layout left less than `flap_window_s` ago is not
@@ -35,6 +36,7 @@ from typing import NamedTuple
 from planning.cost_model import CostModel, StepShape
 
 ITERATIONS = 40
+CLOSER = 0.9  # an infeasible SLO: move only to a layout this much closer to it (score ratio)
 DECISION_LOG = 256
 
 
@@ -167,8 +169,15 @@ class Planner:
                     return decision("grow", grown[0], reason, grown[1])
             best = self._best_split(obs, cfg.max_workers, True, require=False)
             assert best is not None
-            reason = f"{why}; no layout of up to {cfg.max_workers} workers meets it: not growing"
-            return decision("infeasible", now_layout, reason, best[1])
+            none_meets = f"no layout of up to {cfg.max_workers} workers meets it"
+            layout, pred = best
+            if layout != now_layout and pred.score(cfg) < CLOSER * current.score(cfg):
+                # Still the best we can do: the closest layout within bounds serves more.
+                action = "switch" if sum(layout) == total else "grow"
+                reason = f"{why}; {none_meets}: moving to the closest, {layout[0]}P{layout[1]}D"
+                return decision(action, layout, reason, pred)
+            reason = f"{why}; {none_meets}: not growing"
+            return decision("infeasible", now_layout, reason, pred)
         if total > cfg.min_workers:
             smaller = self._best_split(obs, total - 1, False, factor=cfg.shrink_at)
             if smaller is not None:

@@ -1,5 +1,6 @@
 """The SLO planner: predictions that grow with the load (queue included), switches before
-growth, the whole deficit asked at once, infeasible SLOs reported (never unbounded growth),
+growth, the whole deficit asked at once, infeasible SLOs reported (never unbounded growth) after
+moving to the layout closest to them,
 shrinking only with margin, no A -> B -> A; and, driving a simulated deployment, a load step
 answered and a constant load left alone."""
 
@@ -59,6 +60,17 @@ def test_an_infeasible_slo_is_reported_not_chased():
     decision = planner.decide(obs(0, 2, 2, 50.0))
     assert decision.action == "infeasible"
     assert (decision.prefill_workers, decision.decode_workers) == (2, 2)  # nothing added
+
+
+def test_an_infeasible_slo_still_moves_to_the_closest_layout():
+    """Prefill-bound beyond what 4 workers can meet: 3P1D misses it least, so the planner goes
+    there (a role switch), and once there reports it infeasible instead of moving on."""
+    planner = Planner(MODEL, CONFIG)
+    decision = planner.decide(obs(0, 1, 3, 8.0, prompt=900, output=16))
+    assert (decision.action, decision.prefill_workers, decision.decode_workers) == ("switch", 3, 1)
+    assert "closest" in decision.reason and not decision.predicted.within(CONFIG)
+    there = planner.decide(obs(CONFIG.cooldown_s + 1, 3, 1, 8.0, prompt=900, output=16))
+    assert (there.action, there.prefill_workers, there.decode_workers) == ("infeasible", 3, 1)
 
 
 def test_shrink_needs_margin_held_and_never_flaps_back():
