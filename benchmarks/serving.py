@@ -8,10 +8,14 @@
 Targets, measured in interleaved rounds (A B C A B C ...) so a slow spell of the machine lands on
 every target rather than on one:
 
-- inprocess: `AsyncEngine` over `LLMEngine` in this process, driven by asyncio;
+- inprocess: `AsyncEngine` over `LLMEngine` in this process, driven by asyncio (the model
+  loaded on one thread, every core on the engine thread, as a served worker does);
 - colocated: `tandem serve --mode colocated --prefill-workers 0 --decode-workers 1` (one worker,
   every core);
-- 1p1d: `tandem serve --mode disaggregated --prefill-workers 1 --decode-workers 1`;
+- 1p1d: `tandem serve --mode disaggregated --prefill-workers 1 --decode-workers 1` (the decode
+  worker on every core, the prefill worker on cores / 2: `coordinator/builder.py`'s split);
+- 1p1d-shared (not a default): 1p1d with every worker on every core; colocated-tp2 (not a
+  default): one colocated worker of two tensor-parallel ranks;
 - a peer given by `--peer NAME=URL`: any OpenAI-compatible server already running on this host
   (a vLLM CPU server, say), serving the one model given with `--models`. It runs all along, so it
   idles beside the other targets.
