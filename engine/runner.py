@@ -97,6 +97,8 @@ class ModelRunner:
         sampling = [chunk for chunk in chunks if chunk.samples]
         position = {id(chunk.seq): i for i, chunk in enumerate(sampling)}
         in_plan_order = [position[id(chunk.seq)] for chunk in plan.chunks if chunk.samples]
+        if in_plan_order == list(range(len(in_plan_order))):
+            return logits  # already in plan order (every decode-only step): no copy
         return logits[in_plan_order]
 
     @torch.inference_mode()

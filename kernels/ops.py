@@ -1,11 +1,11 @@
 """The ops the engine calls, bound to an implementation per device.
 
-On CPU, decode attention, RMSNorm, rotary embedding, KV stores and SiLU-and-mul run the C++
-kernels of kernels/csrc when they build here, otherwise the torch references. On CUDA the
-Triton kernels of kernels/triton_*.py run (triton is imported on first CUDA use, so CPU-only
-installs need none), except where torch's own kernel is the faster one: SDPA (flash) for
-attention over a fresh chunk, torch for SiLU-and-mul. TANDEM_KERNELS=reference forces the
-references everywhere.
+On CPU, decode attention, RMSNorm, rotary embedding, KV stores, SiLU-and-mul and greedy
+sampling's argmax run the C++ kernels of kernels/csrc when they build here, otherwise the torch
+references. On CUDA the Triton kernels of kernels/triton_*.py run (triton is imported on first
+CUDA use, so CPU-only installs need none), except where torch's own kernel is the faster one:
+SDPA (flash) for attention over a fresh chunk, torch for SiLU-and-mul and argmax.
+TANDEM_KERNELS=reference forces the references everywhere.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from types import ModuleType
 import torch
 
 from kernels import cpu_extension
+from kernels.argmax import argmax_ref
 from kernels.decode_attention import decode_attention_ref
 from kernels.pack_kv import pack_kv_heads, pack_kv_ref, unpack_kv_heads, unpack_kv_ref
 from kernels.prefill_attention import causal_attention, prefill_attention_ref
@@ -27,6 +28,7 @@ from kernels.silu_and_mul import silu_and_mul_ref
 from kernels.store_kv import store_kv_ref
 
 __all__ = [
+    "argmax",
     "causal_attention",
     "decode_attention",
     "fused_add_rms_norm",
@@ -38,6 +40,7 @@ __all__ = [
     "store_kv",
     "unpack_kv",
 ]
+NATIVE_ARGMAX_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
 def _native(x: torch.Tensor) -> ModuleType | None:
@@ -192,3 +195,12 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:  # [N, 2*I] -> [N, I]
     if native is not None and x.is_contiguous():
         return native.silu_and_mul(x)
     return silu_and_mul_ref(x)
+
+
+def argmax(logits: torch.Tensor) -> torch.Tensor:  # [rows, vocab] -> [rows] int64
+    """The first index of each row's maximum (NaN above everything), as `argmax(-1)` gives it,
+    read in the logits' own dtype on CPU (no float32 copy of the whole batch's logits)."""
+    native = _native(logits)
+    if native is not None and logits.dtype in NATIVE_ARGMAX_DTYPES and logits.stride(-1) == 1:
+        return native.argmax_rows(logits)
+    return argmax_ref(logits)

@@ -15,6 +15,7 @@ bool amx_available();
 torch::Tensor amx_pack_weight(torch::Tensor weight);
 torch::Tensor amx_linear(torch::Tensor x, torch::Tensor packed, int64_t n,
                          c10::optional<torch::Tensor> bias);
+torch::Tensor argmax_rows(torch::Tensor logits);
 
 // at::parallel_for initialises each thread lazily, on its first call, from the count any thread
 // set last; this module is built apart from libtorch, so it keeps its own per-thread flag.
@@ -31,4 +32,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("amx_available", &amx_available, "whether this CPU (and build) has the AMX bf16 unit");
   m.def("amx_pack_weight", &amx_pack_weight, "a bf16 [N, K] weight in amx_linear's layout");
   m.def("amx_linear", &amx_linear, "x [<=16, K] bf16 times a packed weight, on AMX tiles");
+  m.def("argmax_rows", &argmax_rows, "the first index of each row's maximum (NaN ranks top)");
 }

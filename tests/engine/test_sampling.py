@@ -6,7 +6,9 @@ import pytest
 import torch
 
 from engine.llm import LLM
-from engine.sampler import SampleRow, filtered_probs, first_argmax, sample
+from engine.sampler import SampleRow, filtered_probs, sample
+from kernels import ops
+from kernels.argmax import argmax_ref
 from protocol.sampling import SamplingError, SamplingParams
 
 
@@ -129,7 +131,7 @@ def test_bad_params_name_the_parameter(options: dict, name: str) -> None:
         SamplingParams(**options)
 
 
-def test_first_argmax_is_argmax_with_ties_infinities_and_nan() -> None:
+def test_argmax_is_argmax_with_ties_infinities_and_nan() -> None:
     generator = torch.Generator().manual_seed(0)
     for trial in range(60):
         logits = torch.randint(-3, 4, (7, 128 * 3), generator=generator).float()  # many ties
@@ -137,6 +139,8 @@ def test_first_argmax_is_argmax_with_ties_infinities_and_nan() -> None:
         logits[1, (trial * 53) % 384] = float("inf")
         if trial % 2:
             logits[2 + trial % 5, (trial * 37) % 384] = float("nan")
-        assert torch.equal(first_argmax(logits), logits.argmax(dim=-1)), trial
+        for argmax in (argmax_ref, ops.argmax):
+            assert torch.equal(argmax(logits), logits.argmax(dim=-1)), trial
+            assert torch.equal(argmax(logits.bfloat16()), logits.argmax(dim=-1)), trial
     odd_vocab = torch.randn(3, 1000, generator=generator)  # not a multiple of the span
-    assert torch.equal(first_argmax(odd_vocab), odd_vocab.argmax(dim=-1))
+    assert torch.equal(argmax_ref(odd_vocab), odd_vocab.argmax(dim=-1))

@@ -1,4 +1,4 @@
-"""C++ CPU RMSNorm, rotary embedding, SiLU-and-mul and KV store against their references."""
+"""C++ CPU RMSNorm, rotary embedding, SiLU-and-mul, KV store and argmax against their references."""
 
 from __future__ import annotations
 
@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from kernels import cpu_extension
+from kernels.argmax import argmax_ref
 from kernels.rms_norm import rms_norm_ref
 from kernels.rotary import rotary_ref
 
@@ -106,3 +107,39 @@ def test_add_rms_norm_is_the_add_then_the_norm(dtype: torch.dtype) -> None:
     normed, summed = native.add_rms_norm(x, residual, weight, 1e-6)
     assert torch.equal(summed, x + residual)  # rounded exactly as torch rounds the add
     assert torch.equal(normed, native.rms_norm(x + residual, weight, 1e-6))
+
+
+def awkward_logits(dtype: torch.dtype, trial: int) -> torch.Tensor:
+    """Rows full of ties, with infinities, NaNs and both zeros, in `dtype`; rows 1000 apart in
+    memory (a slice of a wider tensor, as the vocabulary of a padded lm_head is)."""
+    gen = torch.Generator().manual_seed(trial)
+    wide = torch.randint(-3, 4, (9, 1000), generator=gen).to(dtype)
+    logits = wide[:, :997]  # not a multiple of any vector width
+    logits[0] = float("-inf")
+    logits[1, (trial * 53) % 997] = float("inf")
+    logits[2, (trial * 37) % 997] = float("nan")
+    logits[2, (trial * 11) % 997] = float("nan")  # the first NaN wins
+    logits[3] = -1.0
+    logits[3, trial % 997] = -0.0
+    logits[3, (trial * 7) % 997] = 0.0  # -0 and +0 are one maximum: the first of them wins
+    logits[4] = float("-nan")
+    logits[5] = torch.finfo(dtype).min  # the most negative finite value everywhere
+    logits[6, -1] = 100.0  # the maximum in the last column
+    return logits
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_argmax_rows_is_torch_argmax_with_ties_infinities_nan_and_zeros(dtype) -> None:
+    for trial in range(20):
+        logits = awkward_logits(dtype, trial)
+        assert logits.stride(0) == 1000
+        expected = logits.float().argmax(dim=-1)
+        assert torch.equal(native.argmax_rows(logits), expected), trial
+        assert torch.equal(argmax_ref(logits), expected), trial
+
+
+def test_argmax_rows_refuses_what_it_cannot_read() -> None:
+    with pytest.raises(RuntimeError, match="contiguous"):
+        native.argmax_rows(torch.zeros(8, 4).t())
+    with pytest.raises(RuntimeError, match="bf16, fp16 or float32"):
+        native.argmax_rows(torch.zeros(2, 4, dtype=torch.float64))
