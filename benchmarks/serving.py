@@ -2,7 +2,7 @@
 
     python benchmarks/serving.py [--models smollm2 overhead] [--concurrency 16 64] [--rounds 3] \
         [--num-prompts N] [--output-len 128] [--targets inprocess colocated 1p1d] \
-        [--peer NAME=URL ...] [--json results/serving.json]
+        [--peer NAME=URL ...] [--engine-threads N] [--json results/serving.json]
     python benchmarks/serving.py --quick   # 1 round, concurrency 16, overhead model: a few minutes
 
 Targets, measured in interleaved rounds (A B C A B C ...) so a slow spell of the machine lands on
@@ -412,11 +412,13 @@ def engine_session(model: Path, workload: Workload, args: argparse.Namespace) ->
     from engine.engine import LLMEngine
     from engine.tokenizer import Tokenizer
 
-    # What tandem serve gives its one colocated worker: every core on the engine thread, one on
-    # the thread that loads the model (so the process holds one OpenMP team, kernels/threads.py).
+    # What tandem serve gives its one colocated worker: every core on the engine thread (or
+    # --engine-threads), one on the thread that loads the model (so the process holds one OpenMP
+    # team, kernels/threads.py).
     torch.set_num_threads(1)
     engine = LLMEngine(engine_config(model, args))
-    async_engine = AsyncEngine(engine, Tokenizer(model), num_threads=os.cpu_count() or 1)
+    threads = args.engine_threads or os.cpu_count() or 1
+    async_engine = AsyncEngine(engine, Tokenizer(model), num_threads=threads)
     endpoint = EngineEndpoint(async_engine, args.request_timeout)
     return asyncio.run(_engine_rounds(endpoint, workload, args.concurrency))
 
@@ -448,9 +450,11 @@ def max_num_seqs(args: argparse.Namespace) -> int:
 
 
 def serve_args(model: Path, layout: str, args: argparse.Namespace) -> list[str]:
+    threads = ["--threads-per-worker", str(args.engine_threads)] if args.engine_threads else []
     return ["--model", str(model), *LAYOUTS[layout], "--no-prefix-caching", "--dtype", args.dtype,
             "--kv-cache-memory", str(args.kv_cache_memory),
-            "--max-num-seqs", str(max_num_seqs(args)), "--log-level", "warning"]  # fmt: skip
+            "--max-num-seqs", str(max_num_seqs(args)), "--log-level", "warning",
+            *threads]  # fmt: skip
 
 
 def served_session(
@@ -659,6 +663,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--kv-cache-memory", type=parse_size, default=512 << 20, metavar="BYTES",
                    help="KV cache per engine, e.g. 512MiB (default: 512MiB)")  # fmt: skip
     p.add_argument("--request-timeout", type=float, default=300.0, help="seconds per request")
+    p.add_argument("--engine-threads", type=int, metavar="N",
+                   help="torch threads of every engine, in-process and served (default: the "
+                        "in-process engine and a colocated worker get every core; "
+                        "coordinator/builder.py splits them in 1P1D)")  # fmt: skip
     p.add_argument("--quick", action="store_true", help="1 round, concurrency 16, overhead model")
     p.add_argument("--json", type=Path, help="write the summary and every round here")
     args = p.parse_args(argv)
@@ -670,6 +678,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         p.error("a peer serves one model: give --models one model with --peer")
     if min(args.concurrency) < 1 or args.rounds < 1 or (args.num_prompts or 1) < 1:
         p.error("--concurrency, --rounds and --num-prompts must be at least 1")
+    if args.engine_threads is not None and args.engine_threads < 1:
+        p.error("--engine-threads must be at least 1")
     return args
 
 
