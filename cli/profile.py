@@ -2,7 +2,9 @@
 
 The sweep (cli/profile_sweep.py) runs on one in-process engine; `--from-telemetry` fits a file of
 live step records instead. Either way some shapes are held out of the fit and only scored, and
-the table printed says how far off the model is on them.
+the table printed says how far off the model is on them. `--transport NAME` also times one
+layer's KV sent over that transport to another process (cli/profile_transfer.py) and saves the
+fitted transfer model, the one `tandem simulate --transfer-profile` reads.
 """
 
 from __future__ import annotations
@@ -15,13 +17,15 @@ from typing import TYPE_CHECKING
 from cli.defaults import default_of
 from cli.errors import CliError
 from engine.config import EngineConfig
+from kvtransfer.names import TRANSPORT_NAMES
 from loadtest.cli import DefaultsFormatter
-from planning.model_file import PROFILE_FILE
-from protocol.kv import DTYPE_BYTES
+from planning.model_file import PROFILE_FILE, TRANSFER_PROFILE_FILE
+from protocol.kv import DTYPE_BYTES, KVLayout
 
 if TYPE_CHECKING:
     from cli.profile_sweep import Measurement
     from planning.cost_model import ProfileInfo, StepCostModel
+    from planning.transfer_model import TransferCostModel
 
 NOISY_CORES = 0.25  # other processes' CPU during a sweep past which its times are suspect
 TELEMETRY_HELDOUT_EVERY = 5  # live records repeat no shape on purpose: hold out every 5th
@@ -53,6 +57,21 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         help="fit a JSON list of step records instead of sweeping",
     )
     p.add_argument("--show-shapes", action="store_true", help="print every measured shape")
+    kv = p.add_argument_group("KV transfer")
+    kv.add_argument(
+        "--transport",
+        choices=TRANSPORT_NAMES,
+        help="also time one layer's KV sent over this transport and save its cost model",
+    )
+    kv.add_argument(
+        "--transfer-output",
+        type=Path,
+        metavar="FILE",
+        help=f"where to save it (default: <model>/{TRANSFER_PROFILE_FILE})",
+    )
+    kv.add_argument(
+        "--transfer-only", action="store_true", help="with --transport: skip the step sweep"
+    )
     p.set_defaults(run=run)
 
 
@@ -63,18 +82,55 @@ def run(args: argparse.Namespace) -> int:
         value = getattr(args, flag)
         if value is not None and value < 1:
             raise CliError(f"--{flag.replace('_', '-')} must be at least 1")
+    if args.transfer_only and args.transport is None:
+        raise CliError("--transfer-only needs --transport NAME")
+    if args.transfer_only and args.from_telemetry is not None:
+        raise CliError("--transfer-only and --from-telemetry exclude each other")
     try:
-        if args.from_telemetry is not None:
-            model, output = _fit_telemetry(args)
-        else:
-            model, output = _sweep_and_fit(args)
-        model.save(output)
+        if not args.transfer_only:
+            if args.from_telemetry is not None:
+                model, output = _fit_telemetry(args)
+            else:
+                model, output = _sweep_and_fit(args)
+            model.save(output)
+            _print_model(model, output)
+        if args.transport is not None:
+            transfer, transfer_output = _transfer_sweep_and_fit(args)
+            transfer.save(transfer_output)
+            _print_transfer(transfer, transfer_output)
     except CostModelError as err:
         raise CliError(str(err)) from None
     except OSError as err:
         raise CliError(f"cannot write {err.filename}: {err.strerror}") from None
-    _print_model(model, output)
     return 0
+
+
+def _transfer_sweep_and_fit(args: argparse.Namespace) -> tuple[TransferCostModel, Path]:
+    from cli import profile_transfer
+    from engine.config import ModelConfig
+
+    folder = _model_folder(args.model)
+    output = args.transfer_output or folder / TRANSFER_PROFILE_FILE
+    if not output.parent.is_dir():
+        raise CliError(f"folder {output.parent} does not exist")
+    cfg = ModelConfig.from_pretrained(folder)
+    layout = KVLayout(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, args.dtype)
+    try:
+        samples = profile_transfer.sweep(args.transport, layout, args.quick, log=_log)
+    except ImportError as err:  # ucx without the ucxx package
+        raise CliError(f"KV transport {args.transport} is not available here: {err}") from None
+    return profile_transfer.fit(samples, args.transport), output
+
+
+def _print_transfer(model: TransferCostModel, output: Path) -> None:
+    stats = model.stats
+    bandwidth = 1 / model.seconds_per_byte / 1e9 if model.seconds_per_byte > 0 else float("inf")
+    print(f"KV transfer over {model.transport}: {model.base_seconds * 1e6:.1f} us per layer "
+          f"message + {bandwidth:.2f} GB/s")  # fmt: skip
+    print(f"train MAE     {stats.train_mae_pct:6.2f}% over {stats.num_train} sizes")
+    if stats.heldout_mae_pct is not None:
+        print(f"held-out MAE  {stats.heldout_mae_pct:6.2f}% over {stats.num_heldout} sizes")
+    print(f"wrote {output}")
 
 
 def _fit_telemetry(args: argparse.Namespace) -> tuple[StepCostModel, Path]:

@@ -61,7 +61,11 @@ def add_deployment_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--profile", type=Path, help=f"step cost model (default: <model>/{PROFILE_FILE})"
     )
-    g.add_argument("--transfer-profile", type=Path, help="KV transfer cost model (default: free)")
+    g.add_argument(
+        "--transfer-profile",
+        type=Path,
+        help="KV transfer cost model, from tandem profile --transport NAME (default: free)",
+    )
     g.add_argument("--model-dir", type=Path, help="model folder: its KV size, its saved profile")
     g.add_argument("--mode", choices=("colocated", "disaggregated"), default="disaggregated")
     g.add_argument("--prefill-workers", type=int, default=1, metavar="N")

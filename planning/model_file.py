@@ -8,6 +8,7 @@ from typing import Any
 
 FORMAT_VERSION = 1
 PROFILE_FILE = "tandem-profile.json"  # a step cost model saved next to the model's weights
+TRANSFER_PROFILE_FILE = "tandem-transfer-profile.json"  # a KV transfer cost model, likewise
 
 
 class CostModelError(ValueError):

@@ -213,3 +213,41 @@ def test_profile_bad_telemetry_is_one_line(tmp_path: Path, capsys, content, erro
     err = capsys.readouterr().err
     assert err.startswith("tandem profile: error:") and error in err and err.count("\n") == 1
     assert not output.exists()
+
+
+@pytest.mark.skipif(not OVERHEAD_MODEL.is_dir(), reason="the overhead model is not fetched")
+def test_profile_times_kv_transfer_over_gloo(tmp_path: Path, capsys) -> None:
+    """A real receiver process and a real gloo channel: every size sent and timed, the model
+    saved where asked and loadable, and a bigger layer never predicted cheaper."""
+    from cli import profile_transfer
+    from cli.main import main
+
+    output = tmp_path / "transfer.json"
+    argv = ["profile", "--quick", "--model", str(OVERHEAD_MODEL), "--transport", "gloo",
+            "--transfer-only", "--transfer-output", str(output)]  # fmt: skip
+    assert main(argv) == 0
+    model = TransferCostModel.load(output)
+    sizes = len(profile_transfer.QUICK_FIT_TOKENS) + len(profile_transfer.QUICK_HELDOUT_TOKENS)
+    assert model.transport == "gloo"
+    assert model.stats.num_train + model.stats.num_heldout == sizes
+    assert model.base_seconds >= 0 and model.seconds_per_byte >= 0
+    assert model.predict(1 << 20) >= model.predict(1 << 10) > 0
+    out, err = capsys.readouterr()
+    assert f"wrote {output}" in out and "KV transfer over gloo" in out
+    assert err.count("profile: kv") == sizes  # one line per size, on stderr
+    assert not (tmp_path / "profile.json").exists()  # --transfer-only: no step sweep
+
+
+@pytest.mark.parametrize(
+    "argv,error",
+    [
+        (["--transfer-only"], "--transfer-only needs --transport NAME"),
+        (["--transfer-only", "--transport", "gloo", "--from-telemetry", "x.json"], "exclude"),
+    ],
+)
+def test_profile_transfer_flag_errors(argv: list[str], error: str, capsys) -> None:
+    from cli.main import main
+
+    assert main(["profile", *argv]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("tandem profile: error:") and error in err
