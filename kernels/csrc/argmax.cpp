@@ -2,38 +2,26 @@
 //
 // torch's CPU argmax is slow, and converting bf16 logits to float first writes twice the bytes
 // the argmax then reads again. Here each value's bits become an unsigned key that orders as the
-// value does: a vectorised max over keys, then a scan for the first key equal to it. Integer
-// keys also keep the answer exact under -ffast-math, which assumes no NaN: torch's argmax ranks
-// NaN above everything (the first one wins) and treats -0 and +0 as equal, and so do the keys.
+// value does: a vectorised max of the keys per block, then a scan of the first block holding the
+// largest. Integer keys also keep the answer exact under -ffast-math, which assumes no NaN:
+// torch's argmax ranks NaN above everything (the first one wins) and treats -0 and +0 as equal,
+// and so do the keys.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
 #include <cstdint>
-#include <cstring>
 
 namespace {
 
 constexpr int64_t kRowsPerTask = 8;
 
-// Bit layout of each floating type: where the sign is, and what an infinity looks like.
-template <typename Bits>
-struct Layout;
-template <>
-struct Layout<uint16_t> {  // bf16 and fp16 share the sign bit; their exponents differ
-  static constexpr uint16_t kSign = 0x8000;
-};
-template <>
-struct Layout<uint32_t> {
-  static constexpr uint32_t kSign = 0x80000000u;
-};
-
 // The key of a value: larger value, larger key; every NaN gets the largest key, and -0 the key
-// of +0. `inf_bits` is the pattern of +infinity: magnitudes above it are NaN. Branch-free, so
-// the max below runs in vector registers.
+// of +0. The sign is the top bit of every type here; `inf_bits` is the pattern of +infinity
+// (magnitudes above it are NaN). Branch-free, so the max below runs in vector registers.
 template <typename Bits>
 inline Bits key_of(Bits bits, Bits inf_bits) {
-  constexpr Bits kSign = Layout<Bits>::kSign;
   constexpr int kSignShift = sizeof(Bits) * 8 - 1;
+  constexpr Bits kSign = static_cast<Bits>(Bits(1) << kSignShift);
   const Bits magnitude = bits & static_cast<Bits>(~kSign);
   bits = magnitude == 0 ? Bits(0) : bits;                              // -0 is +0
   const Bits flip = static_cast<Bits>(Bits(0) - (bits >> kSignShift)) | kSign;  // negatives: all
