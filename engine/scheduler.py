@@ -105,7 +105,7 @@ class Scheduler:
             if n <= 0:
                 i += 1
                 continue
-            while not self._grow(seq, seq.num_computed_tokens + n):
+            while not self.grow(seq, seq.num_computed_tokens + n):
                 victim = self.running.pop()
                 decodes_left -= victim is not seq and victim.num_uncomputed_tokens == 1
                 self._preempt(victim)
@@ -147,7 +147,7 @@ class Scheduler:
             budget -= n
         return budget
 
-    def _grow(self, seq: Sequence, num_tokens: int) -> bool:
+    def grow(self, seq: Sequence, num_tokens: int) -> bool:
         """Makes the block table cover `num_tokens`; False when the pool is too small."""
         missing = num_blocks_for(num_tokens, self.blocks.block_size) - len(seq.block_table)
         if missing <= 0:
@@ -172,8 +172,12 @@ class Scheduler:
     def commit(self, plan: StepPlan) -> None:
         """Records that the plan's KV is now written: advances counts, caches full blocks."""
         for chunk in plan.chunks:
-            chunk.seq.num_computed_tokens = chunk.end
-            self._cache_computed(chunk.seq)
+            self.advance(chunk.seq, chunk.end)
+
+    def advance(self, seq: Sequence, num_computed: int) -> None:
+        """Tokens [0, num_computed) of `seq` now have KV: counts them, caches full blocks."""
+        seq.num_computed_tokens = num_computed
+        self._cache_computed(seq)
 
     def _cache_computed(self, seq: Sequence) -> None:
         num_full = seq.num_computed_tokens // self.blocks.block_size

@@ -34,6 +34,7 @@ from engine.sequence import Sequence as EngineSequence
 from loadtest.config import LoadConfig
 from protocol.sampling import FinishReason
 from simulation.deployment import Scenario
+from simulation.leap import Leap, cut, plan_leap, settle
 from simulation.worker import SimWorker
 from simulation.workload import SimRequest
 
@@ -100,8 +101,10 @@ class Simulation:
         requests: Sequence[SimRequest],
         load: LoadConfig | None = None,
         max_attempts: int = 4,
+        leaping: bool = True,
     ) -> None:
         self.scenario = scenario
+        self.leaping = leaping  # off: every decode step through the scheduler (same outcome)
         self.load = load or LoadConfig()
         self.max_attempts = max_attempts
         self.now = 0.0
@@ -127,7 +130,9 @@ class Simulation:
             self.workers[worker_id] = SimWorker(worker_id, "prefill", dep.engine)
         for worker_id in decode_ids:
             self.workers[worker_id] = SimWorker(worker_id, "decode", dep.engine)
-        self._holders: dict[str, set[Run]] = {w: set() for w in self.workers}
+        # Who holds what, in placing order (a set would re-place a dead worker's requests in an
+        # order that changes from one process to the next).
+        self._holders: dict[str, dict[Run, None]] = {w: {} for w in self.workers}
         self._waiting_to_send: deque[Run] = deque()
         self.sent: deque[tuple[float, int, int]] = deque()  # (when, prompt, output), for planners
         self.finished: deque[Run] = deque()  # in finishing order, for planners
@@ -157,6 +162,8 @@ class Simulation:
             self.now = when
             action(*args)
             num_events += 1
+        for worker in self.workers.values():
+            self._settle(worker)
         ended = [r.finished_at for r in self.runs if r.finished_at is not None]
         duration = self.now if self._unfinished else max(ended, default=0.0)
         aborted = sum(1 for r in self.runs if r.finished_at is None and r.sent_at is not None)
@@ -203,13 +210,14 @@ class Simulation:
         decode = self.workers[route.decode_id]
         num_prompt = len(run.request.prompt_ids)
         seq = decode.new_sequence(run.key, ids, num_prompt)
-        if route.prefill_id is not None and not decode.reserve(seq):
+        if route.prefill_id is not None and not self._reserve(decode, seq):
             # The coordinator counts the route before its reserve call and undoes it on a
             # refusal; nothing happens in between here, so a refused route is never counted.
             self.at(self.now + self.scenario.overheads.reserve_retry, self._place, run)
             return
         self.router.placed(route, ids, hashes)  # type: ignore[arg-type]
         if route.prefill_id is None:
+            self._interrupt(decode)
             seq.arrival_time = self.now
             decode.scheduler.add(seq)
             self._hold(run, route, decode_seq=seq)
@@ -243,9 +251,9 @@ class Simulation:
         prefill_seq: EngineSequence | None = None,
     ) -> None:
         run.route, run.decode_seq, run.prefill_seq = route, decode_seq, prefill_seq
-        self._holders[route.decode_id].add(run)
+        self._holders[route.decode_id][run] = None
         if route.prefill_id is not None:
-            self._holders[route.prefill_id].add(run)
+            self._holders[route.prefill_id][run] = None
 
     def _release(self, run: Run) -> None:
         route = run.route
@@ -253,13 +261,14 @@ class Simulation:
             return
         for worker_id in (route.decode_id, route.prefill_id):
             if worker_id is not None:
-                self._holders[worker_id].discard(run)
+                self._holders[worker_id].pop(run, None)
 
     def _poll(self) -> None:
         """The coordinator's stats and telemetry poll: what the router knows is this old."""
         for worker in self.workers.values():
             if not worker.alive:
                 continue
+            self._settle(worker)
             self.router.observe(
                 worker.worker_id, worker.blocks.num_free_blocks, worker.queued_prompt_tokens
             )
@@ -290,7 +299,7 @@ class Simulation:
         self.at(self.now + self.scenario.overheads.step_gap, self._start_step, worker, worker.epoch)
 
     def _start_step(self, worker: SimWorker, epoch: int) -> None:
-        if not worker.alive or epoch != worker.epoch:
+        if not worker.alive or epoch != worker.epoch or self._leap(worker):
             return
         plan = worker.scheduler.schedule()
         if not plan.chunks:  # nothing fits until blocks free up; a finish wakes it
@@ -375,12 +384,83 @@ class Simulation:
         decode = self.workers[route.decode_id]
         if not decode.alive:
             return
+        self._interrupt(decode)
         if route.prefill_id is not None:
-            self._holders[route.prefill_id].discard(run)
+            self._holders[route.prefill_id].pop(run, None)
         run.route = Route(route.decode_id, None)
         seq = decode.admit(key)
         self._token(decode, run, seq, self.now)
         self._wake(decode)
+
+    # -- leaps over decode steps (simulation/leap.py) -------------------------------------
+
+    def _leap(self, worker: SimWorker) -> bool:
+        """Starts a leap if the worker's next steps are plain decodes; True if it did."""
+        if not self.leaping or worker.pool != "decode":
+            return False
+        running = worker.scheduler.running
+        left = min((self._tokens_left(seq) for seq in running), default=0)
+        gap, cost = self.scenario.overheads.step_gap, self.scenario.costs.step
+        leap = plan_leap(worker.scheduler, left - 1, self.now, gap, cost.predict)
+        if leap is None:
+            return False
+        worker.leap = leap
+        self._settle(worker)  # the first step's blocks
+        self.at(leap.end, self._end_leap, worker, leap, leap.version, worker.epoch)
+        return True
+
+    def _tokens_left(self, seq: EngineSequence) -> int:
+        run = self._run_of(seq)
+        return run.request.output_len - run.num_output
+
+    def _settle(self, worker: SimWorker) -> None:
+        """Brings a leaping worker up to now (anything that reads or changes it calls this)."""
+        if worker.leap is None:
+            return
+        for seconds in settle(worker.leap, worker.scheduler, self.now, self._deliver):
+            worker.busy_seconds += seconds
+            worker.num_steps += 1
+
+    def _deliver(self, seqs: list[EngineSequence], ends: list[float]) -> None:
+        delay = self.scenario.overheads.delivery
+        times = [end + delay for end in ends]
+        for seq in seqs:
+            seq.token_ids.extend(itertools.islice(self._fresh, len(times)))  # type: ignore[attr-defined]
+            self._run_of(seq).token_times.extend(times)
+
+    def _interrupt(self, worker: SimWorker) -> None:
+        """Before the worker's batch changes: its leap ends after the step in progress."""
+        leap = worker.leap
+        if leap is None:
+            return
+        self._settle(worker)
+        in_step = leap.in_step
+        cut(leap)
+        if in_step:
+            self.at(leap.end, self._end_leap, worker, leap, leap.version, worker.epoch)
+            return
+        worker.leap = None  # between two steps: the next one goes through the scheduler
+        next_start = leap.ends[leap.done - 1] + self.scenario.overheads.step_gap
+        self.at(next_start, self._start_step, worker, worker.epoch)
+
+    def _end_leap(self, worker: SimWorker, leap: Leap, version: int, epoch: int) -> None:
+        if worker.leap is not leap or leap.version != version or epoch != worker.epoch:
+            return
+        self._settle(worker)
+        worker.leap = None
+        worker.stepping = False
+        self._wake(worker)
+
+    def _reserve(self, decode: SimWorker, seq: EngineSequence) -> bool:
+        """`SimWorker.reserve`, on a settled worker; a leap that no longer fits its blocks
+        ends after the step in progress (the scheduler then preempts as it would)."""
+        self._settle(decode)
+        if not decode.reserve(seq):
+            return False
+        leap = decode.leap
+        if leap is not None and leap.blocks_left > decode.blocks.num_free_blocks:
+            self._interrupt(decode)
+        return True
 
     # -- faults and pool changes ---------------------------------------------------------
 
@@ -389,6 +469,8 @@ class Simulation:
         worker = self.workers.get(worker_id)
         if worker is None or not worker.alive:
             return
+        self._settle(worker)
+        worker.leap = None
         worker.alive, worker.stepping = False, False
         worker.epoch += 1
         self.router.mark_dead(worker_id)
@@ -406,6 +488,7 @@ class Simulation:
             (route.prefill_id, run.prefill_seq),
         ):
             if worker_id is not None and self.workers[worker_id].alive:
+                self._interrupt(self.workers[worker_id])
                 self.workers[worker_id].drop(run.key, seq)
                 self._wake(self.workers[worker_id])
         self.router.unplace(route, run.token_ids())  # type: ignore[arg-type]
@@ -431,7 +514,7 @@ class Simulation:
             worker_id, pool, self.scenario.deployment.engine
         )
         worker.alive = False
-        self._holders[worker_id] = set()
+        self._holders[worker_id] = {}
         self._joining[worker_id] = worker
         self.at(self.now + ready_in, self._join, worker)
         return worker_id
@@ -451,6 +534,8 @@ class Simulation:
         for run in list(self._holders[worker_id]):
             self._lose(run, worker_id, failed=False)
         self.router.remove(worker_id)
+        self._settle(worker)
+        worker.leap = None
         worker.alive, worker.stepping = False, False
         worker.epoch += 1
         worker.pool = pool

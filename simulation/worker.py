@@ -15,6 +15,7 @@ from engine.scheduler import Scheduler, SchedulerConfig
 from engine.sequence import Sequence
 from protocol.sampling import FinishReason, SamplingParams
 from simulation.deployment import EngineLimits
+from simulation.leap import Leap
 
 PARAMS = SamplingParams(max_tokens=1 << 30)  # the simulator ends requests itself
 
@@ -33,6 +34,7 @@ class SimWorker:
     reserved: dict[str, Sequence] = field(default_factory=dict)  # KV on its way
     cache_events: list[tuple[int, bool]] = field(default_factory=list)  # since the last poll
     link_free_at: float = 0.0  # a prefill worker's KV sender: busy until then
+    leap: Leap | None = None  # decode steps planned at once, played as time passes
     busy_seconds: float = 0.0
     num_steps: int = 0
 

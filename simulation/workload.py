@@ -19,7 +19,7 @@ from __future__ import annotations
 import itertools
 import json
 import math
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import NamedTuple, overload
 
@@ -86,6 +86,10 @@ class TokenIds(Sequence[int]):
     def append(self, token_id: int) -> None:
         """Adds the next made-up token (`token_id` is ignored: only the count matters)."""
         self._len += 1
+
+    def extend(self, token_ids: Iterable[int]) -> None:
+        """Adds one made-up token per id given."""
+        self._len += sum(1 for _ in token_ids)
 
     def copy(self) -> TokenIds:
         return TokenIds(self.prefix_base, self.prefix_len, self.own_base, self._len)
