@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from coordinator.router import NoWorkerError, Route, Router, prefix_hashes, queued_tokens
+from engine.block_manager import num_blocks_for
 from engine.scheduler import StepPlan
 from engine.sequence import Sequence as EngineSequence
 from loadtest.config import LoadConfig
@@ -197,7 +198,7 @@ class Simulation:
     # -- the coordinator -----------------------------------------------------------------
 
     def _place(self, run: Run) -> None:
-        if self._no_decode_room():  # what routing would find, without hashing and routing
+        if self._no_decode_room(run):  # what routing would find, without routing
             self.at(self.now + self.scenario.overheads.reserve_retry, self._place, run)
             return
         ids = run.token_ids()
@@ -229,10 +230,12 @@ class Simulation:
         self._hold(run, route, decode_seq=seq, prefill_seq=pseq)
         self._wake(prefill)
 
-    def _no_decode_room(self) -> bool:
-        """Every decode worker has all its sequence slots taken while the route is sure to be
+    def _no_decode_room(self, run: Run) -> bool:
+        """Every decode worker has all its sequence slots taken, or fewer free blocks than the
+        prompt needs beyond what its prefix cache might hold, while the route is sure to be
         remote (load routing, no local prefill, a prefill worker up): the reservation would be
-        refused wherever the router sent it."""
+        refused wherever the router sent it. (At a 128-GPU peak hundreds of requests wait for
+        room, each retried every 50 ms: routing and hashing them all was most of the run.)"""
         deployment = self.scenario.deployment
         if (
             deployment.routing == "cost"
@@ -241,7 +244,20 @@ class Simulation:
         ):
             return False
         decodes = self.serving("decode")
-        return bool(decodes) and not any(w.has_room() for w in decodes)
+        if not decodes:
+            return False
+        block_size = self.router.block_size
+        need = num_blocks_for(len(run.token_ids()), block_size)
+        hashes = run.prefix_hashes(block_size)
+        for worker in decodes:
+            if not worker.has_room():
+                continue
+            self._settle(worker)
+            cached = worker.blocks.hash_to_block
+            hits = next((i for i, digest in enumerate(hashes) if digest not in cached), len(hashes))
+            if worker.blocks.num_free_blocks >= need - hits:
+                return False
+        return True
 
     def _hold(
         self,

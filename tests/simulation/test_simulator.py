@@ -210,3 +210,25 @@ def test_a_role_switch_places_reserved_and_running_requests_again():
     assert sim.workers["decode-0"].pool == "prefill" and sim.workers["decode-0"].alive
     assert "decode-0" in sim.router.prefill and "decode-0" not in sim.router.decode
     assert_nothing_held(sim)
+
+
+def test_a_request_waiting_for_decode_blocks_is_not_routed_until_one_could_take_it():
+    load = LoadConfig(request_rate=50.0, seed=5)
+    requests = synthetic_requests(DatasetConfig(RandomSpec(400, 64), 20, seed=5), load)
+    outcomes, routed = [], []
+    for shortcut in (True, False):
+        sim = Simulation(scenario(1, 2, num_blocks=70), requests, load)  # ~2 prompts per worker
+        if not shortcut:
+            sim._no_decode_room = lambda run: False
+        calls: list[int] = []
+        route = sim.router.route
+        sim.router.route = lambda *args, _calls=calls, _route=route, **kw: (
+            _calls.append(1) or _route(*args, **kw)
+        )
+        outcomes.append(sim.run())
+        routed.append(len(calls))
+        assert_nothing_held(sim)
+    fast, slow = outcomes
+    assert all(r.error is None for r in fast.runs)
+    assert [list(r.token_times) for r in fast.runs] == [list(r.token_times) for r in slow.runs]
+    assert routed[0] == 20 and routed[1] > 100  # each routed once; without: every 50 ms
