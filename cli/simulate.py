@@ -157,7 +157,7 @@ def scenario_from_args(args: argparse.Namespace) -> Scenario:
             ),
             args.routing,
             args.local_prefill_threshold,
-            RouteCosts(),
+            RouteCosts.from_step_model(step),
         )
     except SimulationError as err:
         raise CliError(str(err)) from None

@@ -38,6 +38,7 @@ from coordinator.coordinator import Coordinator, CoordinatorConfig
 from coordinator.deploy import DeployConfig
 from coordinator.planner_loop import LoopSettings, PlannerSetup
 from coordinator.reaper import start_reaper
+from coordinator.router import RouteCosts
 from engine.config import ConfigError, EngineConfig, ModelConfig, check_splits
 from engine.tokenizer import Tokenizer
 from planning.cost_model import Calibrated, StepCostModel
@@ -115,6 +116,7 @@ def build_client(engine: EngineConfig, deploy: DeployConfig) -> Coordinator:
             block_size=engine.block_size,
             local_prefill_threshold=deploy.local_prefill_threshold,
             routing=deploy.routing,
+            route_costs=route_costs(deploy, model.path),
             placement_timeout=deploy.placement_timeout,
             # Decode workers connect back to this process with their token updates.
             update_host="127.0.0.1" if deploy.address is None else ray.util.get_node_ip_address(),
@@ -127,6 +129,20 @@ def build_client(engine: EngineConfig, deploy: DeployConfig) -> Coordinator:
         planner=planner,
         request_capacity=spawner.request_capacity,
     )
+
+
+def route_costs(deploy: DeployConfig, model_path: Path) -> RouteCosts:
+    """Cost routing's prices, from the model's step profile (`--planner-profile`, else
+    <model>/tandem-profile.json) when there is one; the built-in defaults otherwise."""
+    profile = deploy.planner_profile or model_path / PROFILE_FILE
+    if deploy.routing != "cost" or not profile.is_file():
+        return RouteCosts()
+    try:
+        costs = RouteCosts.from_step_model(StepCostModel.load(profile))
+    except CostModelError as err:
+        raise ConfigError(f"{profile}: {err}") from None
+    log.info("cost routing priced from %s: %s", profile, costs)
+    return costs
 
 
 def planner_setup(

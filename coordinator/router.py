@@ -26,6 +26,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 
 from engine.block_manager import block_hash
+from planning.cost_model import StepCostModel, StepShape
 
 PREFILL_LOAD_BUCKET = 256  # queued tokens
 REMEMBERED_PREFIXES = 4096  # hashes of recent placements per worker, until its reports come
@@ -36,10 +37,26 @@ POLICIES = ("cost", "load", "round-robin")
 class RouteCosts:
     """Seconds per unit of work, for the "cost" policy. Defaults: SmolLM2-135M on one core of
     the development machine (a 100-token prompt takes ~60 ms; each running request adds ~0.6 ms
-    to a decode step); `tandem profile` measures them for a model and machine."""
+    to a decode step); `from_step_model` reads them off a `tandem profile` of the model."""
 
     prefill_token_seconds: float = 0.0006
     decode_seq_seconds: float = 0.0006
+
+    @classmethod
+    def from_step_model(
+        cls, model: StepCostModel, prompt_tokens: int = 512, batch: int = 16, context: int = 512
+    ) -> RouteCosts:
+        """The two prices read off a step cost model: what a fresh `prompt_tokens` chunk adds
+        to an empty step, per token (its attention included); what each decode of `context`
+        tokens adds to a step, on average from `batch` to twice as many (a slope across the
+        model's small-batch knee, not the jump at it)."""
+        empty = model.predict(StepShape(0, 0, 0, 0))
+        prompt = model.predict(StepShape(prompt_tokens, prompt_tokens * prompt_tokens, 0, 0))
+        few, many = (model.predict(StepShape(0, 0, n, n * context)) for n in (batch, 2 * batch))
+        return cls(
+            prefill_token_seconds=max((prompt - empty) / prompt_tokens, 0.0),
+            decode_seq_seconds=max((many - few) / batch, 0.0),
+        )
 
 
 @dataclass

@@ -249,3 +249,22 @@ def test_planner_flags_and_their_errors(tiny_llama, tmp_path) -> None:
     with pytest.raises(ConfigError, match="TTFT and an ITL"):
         planner_setup(engine_config(args), DeployConfig(planner_slo="ttft_p99=1s"), tiny_llama)
     assert serve_choices("--planner") == ["on", "dry-run", "off"]
+
+
+def test_cost_routing_is_priced_from_the_models_step_profile(tmp_path) -> None:
+    from coordinator.builder import route_costs
+    from coordinator.router import RouteCosts
+    from engine.config import ConfigError
+    from planning.cost_model import StepCostModel
+
+    profile = REPO / "benchmarks" / "profiles" / "smollm2-cpu-1thread.json"
+    expected = RouteCosts.from_step_model(StepCostModel.load(profile))
+    given = DeployConfig(routing="cost", planner_profile=profile)
+    assert route_costs(given, tmp_path) == expected != RouteCosts()
+    (tmp_path / "tandem-profile.json").write_bytes(profile.read_bytes())
+    assert route_costs(DeployConfig(routing="cost"), tmp_path) == expected  # next to the model
+    assert route_costs(DeployConfig(routing="load"), tmp_path) == RouteCosts()  # unpriced
+    assert route_costs(DeployConfig(routing="cost"), tmp_path / "none") == RouteCosts()
+    (tmp_path / "tandem-profile.json").write_text("{}")
+    with pytest.raises(ConfigError, match="tandem-profile.json: not a"):
+        route_costs(DeployConfig(routing="cost"), tmp_path)

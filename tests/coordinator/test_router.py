@@ -9,6 +9,7 @@ from coordinator.router import (
     REMEMBERED_PREFIXES,
     NoWorkerError,
     Route,
+    RouteCosts,
     Router,
     prefix_hashes,
     queued_tokens,
@@ -230,3 +231,17 @@ def test_a_prefill_queue_counts_only_the_tokens_its_worker_must_compute(policy: 
     assert router.prefill["p0"].queued_tokens == 5
     router.prefilled(route, queued_tokens(route, prompt))
     assert router.prefill["p0"].queued_tokens == 0
+
+
+def test_route_prices_come_from_a_step_cost_model() -> None:
+    from planning.cost_model import StepCostModel
+    from planning.nnls import FitStats
+
+    features = ("step", "small_batch_rows", "large_batch", "decode_context", "prefill_attention")
+    coefficients = (0.01, 1e-4, 0.005, 1e-6, 1e-8)
+    model = StepCostModel(features, coefficients, 16, 1024, FitStats(1, 0, 0, None))
+    costs = RouteCosts.from_step_model(model, prompt_tokens=100, batch=16, context=200)
+    # 100 fresh tokens: 16 small rows, the large-batch jump and 100 x 100 attention, per token.
+    assert costs.prefill_token_seconds == pytest.approx((16e-4 + 0.005 + 1e4 * 1e-8) / 100)
+    # 16 -> 32 decodes of 200 tokens: the jump plus 16 x 200 more context, per decode added.
+    assert costs.decode_seq_seconds == pytest.approx((0.005 + 16 * 200 * 1e-6) / 16)
