@@ -122,26 +122,23 @@ def settle(
     done = bisect.bisect_right(leap.ends, now, hi=leap.num_steps)
     if started <= leap.started and done <= leap.done:
         return []
-    live = [i for i, seq in enumerate(leap.seqs) if not seq.is_finished]
+    live = [i for i, seq in enumerate(leap.seqs) if not seq.is_finished]  # (none ends in here)
     if done > leap.done:  # the tokens first: caching a full block reads its token ids
         deliver([leap.seqs[i] for i in live], leap.ends[leap.done : done])
+    alive = set(live)
     for step in range(leap.done, started):
         if step >= leap.started:
             taking = leap.grow.get(step, ())
             leap.blocks_left -= len(taking)
             for i in taking:
-                seq = leap.seqs[i]
-                if not seq.is_finished:
-                    scheduler.grow(seq, leap.base[i] + step + 1)
+                if i in alive:  # in running order: the order blocks are handed out in
+                    scheduler.grow(leap.seqs[i], leap.base[i] + step + 1)
         if step < done:
             for i in leap.fill.get(step, ()):
-                seq = leap.seqs[i]
-                if not seq.is_finished:
-                    scheduler.advance(seq, leap.base[i] + step + 1)
+                if i in alive:
+                    scheduler.advance(leap.seqs[i], leap.base[i] + step + 1)
     for i in live:
-        seq = leap.seqs[i]
-        if not seq.is_finished:
-            seq.num_computed_tokens = leap.base[i] + done
+        leap.seqs[i].num_computed_tokens = leap.base[i] + done
     committed = leap.seconds[leap.done : done]
     leap.started, leap.done = max(started, leap.started), max(done, leap.done)
     return committed
