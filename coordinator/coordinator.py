@@ -29,6 +29,7 @@ from ray.exceptions import RayActorError
 
 from coordinator.planner_loop import LoopSettings, PlannerLoop, PlannerSetup
 from coordinator.request_state import TrackedRequest
+from coordinator.room import RoomQueue
 from coordinator.router import (
     NoWorkerError,
     Route,
@@ -113,6 +114,7 @@ class Coordinator:
             config.routing,
             config.route_costs,
         )
+        self.room = RoomQueue()  # requests waiting for a decode worker with room
         self.supervisor = Supervisor(
             spawn,
             config.supervision,
@@ -388,9 +390,14 @@ class Coordinator:
     async def _place(self, request: TrackedRequest, work: WorkRequest) -> Any | None:
         """Chooses workers (request.route, counted against their loads at once) and gets a
         ticket (None: prefilled on the decode worker). A dead decode worker is skipped; one
-        that does not answer in time fails the attempt (TimeoutError)."""
+        that does not answer in time fails the attempt (TimeoutError). When no decode worker
+        has room the request waits its turn in `self.room` (coordinator/room.py)."""
         deadline = time.monotonic() + self.config.capacity_wait
         hashes = prefix_hashes(work.token_ids, self.router.block_size)  # once, not per try
+        queued = False  # has it waited in line (a woken waiter passes the turn on once in)
+        if len(self.room):  # others were refused before it: it waits behind them
+            await self._wait_for_room(deadline, front=False)
+            queued = True
         while True:
             local = request.corrupt_transfers >= MAX_CORRUPT_TRANSFERS
             route = self.router.route(work.token_ids, frozenset(request.avoid), local, hashes)
@@ -400,21 +407,51 @@ class Coordinator:
             try:
                 if route.prefill_id is None:
                     await self._call(decode.add_local, work)
-                    return None
-                broken = request.broken_channel
-                key = broken[1] if broken is not None and broken[0] == route.decode_id else None
-                prefill_tp = self.ranks(route.prefill_id)  # the ticket's routes need it
-                ticket = await self._call(decode.reserve, work, route.prefill_id, key, prefill_tp)
+                    ticket = None
+                else:
+                    broken = request.broken_channel
+                    key = broken[1] if broken is not None and broken[0] == route.decode_id else None
+                    prefill_tp = self.ranks(route.prefill_id)  # the ticket's routes need it
+                    ticket = await self._call(
+                        decode.reserve, work, route.prefill_id, key, prefill_tp
+                    )
             except RayActorError as err:
                 self._unplace(request, work)
                 self._note_failure(route.decode_id, err)
                 continue
-            if ticket is not None:
+            if route.prefill_id is None or ticket is not None:
+                if queued:
+                    self.room.freed()  # there may be room for the next in line too
                 return ticket
             self._unplace(request, work)
+            self.router.refused(route.decode_id)
+            if self.router.may_have_room():  # a decode worker not refused yet: try it
+                continue
             if time.monotonic() > deadline:  # every decode worker stayed full
                 raise EngineDeadError("no decode worker had room for the request in time")
-            await asyncio.sleep(0.05)
+            await self._wait_for_room(deadline, front=True)
+            queued = True
+
+    async def _wait_for_room(self, deadline: float, front: bool) -> None:
+        """Until `freed` wakes this waiter (at the latest, the next stats poll's) or the
+        deadline comes."""
+        woken = asyncio.get_running_loop().create_future()
+
+        def wake() -> None:
+            if not woken.done():
+                woken.set_result(None)
+
+        self.room.wait(wake, front)
+        try:
+            await asyncio.wait_for(asyncio.shield(woken), max(0.0, deadline - time.monotonic()))
+        except TimeoutError:
+            pass
+        except asyncio.CancelledError:
+            if woken.done():  # its turn came as it left: the next in line gets it
+                self.room.freed()
+            raise
+        finally:
+            self.room.leave(wake)
 
     def _unplace(self, request: TrackedRequest, work: WorkRequest) -> None:
         self.router.unplace(request.route, work.token_ids)
@@ -426,6 +463,7 @@ class Coordinator:
         if route is None:
             return
         self.router.finished(route)
+        self.room.freed()
         if request.finished:  # its worker already freed it (a stop string aborted it there)
             return
         for worker_id, pool in ((route.decode_id, self.decode), (route.prefill_id, self.prefill)):
@@ -509,6 +547,7 @@ class Coordinator:
         self.router.add_worker(pool, entry.worker_id)
         if pool == "decode":
             self._follow(entry.worker_id)
+            self.room.freed()
 
     def _in_use(self, worker_id: str) -> int:
         return sum(
@@ -562,6 +601,7 @@ class Coordinator:
                 self._stats[worker_id] = replace(self._stats[worker_id], stale=True)
             if isinstance(result, RayActorError):
                 self._note_failure(worker_id, result)
+        self.room.freed()  # fresh reports: the first in line may find room now
 
     def _background(self, coro: Coroutine) -> asyncio.Task:
         task = asyncio.ensure_future(coro)

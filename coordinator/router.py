@@ -67,6 +67,7 @@ class WorkerLoad:
     free_blocks: int = 0  # from the worker's last stats report
     alive: bool = True
     accepting: bool = True  # False while draining: alive, finishing its work, gets none new
+    full: bool = False  # refused a reservation; until a request ends there or it reports again
     reported_queue: int = 0  # prompt tokens waiting in its engine, from its last stats report
     cached: set[int] = field(default_factory=set)  # block hashes its prefix cache reported
     prefixes: OrderedDict[int, None] = field(default_factory=OrderedDict)  # recent placements
@@ -149,6 +150,7 @@ class Router:
         if hashes is None:
             hashes = prefix_hashes(token_ids, self.block_size)
         decodes = _preferred(_open(self.decode, "decode"), avoid)
+        decodes = [w for w in decodes if not w.full] or decodes
         prefills = _preferred([w for w in self.prefill.values() if w.alive and w.accepting], avoid)
         if self.policy == "cost":
             return self._cheapest(len(token_ids), hashes, decodes, [] if local else prefills)
@@ -244,6 +246,18 @@ class Router:
         load = self.decode.get(route.decode_id)
         if load is not None:
             load.running = max(0, load.running - 1)
+            load.full = False
+
+    def refused(self, decode_id: str) -> None:
+        """The decode worker had no room for a reservation: other decode workers are tried
+        first until a request ends there or its next stats report comes."""
+        load = self.decode.get(decode_id)
+        if load is not None:
+            load.full = True
+
+    def may_have_room(self) -> bool:
+        """Some open decode worker has not refused a reservation since it last reported."""
+        return any(w.alive and w.accepting and not w.full for w in self.decode.values())
 
     def observe(self, worker_id: str, free_blocks: int, queued_tokens: int = 0) -> None:
         """Records a worker's latest free KV blocks and prompt tokens waiting in its engine."""
@@ -251,6 +265,7 @@ class Router:
             if worker_id in pool:
                 pool[worker_id].free_blocks = free_blocks
                 pool[worker_id].reported_queue = queued_tokens
+                pool[worker_id].full = False
 
     def is_alive(self, worker_id: str) -> bool:
         load = self.decode.get(worker_id) or self.prefill.get(worker_id)

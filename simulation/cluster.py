@@ -28,6 +28,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from coordinator.room import RoomQueue
 from coordinator.router import NoWorkerError, Route, Router, prefix_hashes, queued_tokens
 from engine.block_manager import num_blocks_for
 from engine.scheduler import StepPlan
@@ -72,7 +73,7 @@ class Run:
 
     def prefix_hashes(self, block_size: int) -> list[int]:
         """The prompt's block hashes, computed once per token list (a reservation that finds
-        no room is retried every 50 ms: hashing 8,000 tokens each time was most of the run)."""
+        no room is tried again whenever room may have freed: 8,000 tokens to hash each time)."""
         ids = self.token_ids()
         if self._hashes[0] != len(ids):
             self._hashes = (len(ids), prefix_hashes(ids, block_size))  # type: ignore[arg-type]
@@ -135,6 +136,7 @@ class Simulation:
         # order that changes from one process to the next).
         self._holders: dict[str, dict[Run, None]] = {w: {} for w in self.workers}
         self._waiting_to_send: deque[Run] = deque()
+        self.room = RoomQueue()  # requests waiting for a decode worker with room
         self.sent: deque[tuple[float, int, int]] = deque()  # (when, prompt, output), for planners
         self.finished: deque[Run] = deque()  # in finishing order, for planners
         self._in_flight = 0
@@ -197,9 +199,15 @@ class Simulation:
 
     # -- the coordinator -----------------------------------------------------------------
 
-    def _place(self, run: Run) -> None:
+    def _place(self, run: Run, queued: bool = False) -> None:
+        """Routes the request, as `Coordinator._place` does. No decode worker with room: it
+        waits its turn in `self.room` (coordinator/room.py), woken when room may have freed;
+        `queued`: it was woken there (placed, it passes the turn on)."""
+        if not queued and len(self.room):  # others wait for room first
+            self._wait_for_room(run, front=False)
+            return
         if self._no_decode_room(run):  # what routing would find, without routing
-            self.at(self.now + self.scenario.overheads.reserve_retry, self._place, run)
+            self._wait_for_room(run, front=True)
             return
         ids = run.token_ids()
         try:
@@ -214,8 +222,14 @@ class Simulation:
         if route.prefill_id is not None and not self._reserve(decode, seq):
             # The coordinator counts the route before its reserve call and undoes it on a
             # refusal; nothing happens in between here, so a refused route is never counted.
-            self.at(self.now + self.scenario.overheads.reserve_retry, self._place, run)
+            self.router.refused(route.decode_id)
+            if self.router.may_have_room():
+                self._place(run, queued)
+            else:
+                self._wait_for_room(run, front=True)
             return
+        if queued:
+            self.room.freed()  # there may be room for the next in line too
         self.router.placed(route, ids, hashes)  # type: ignore[arg-type]
         if route.prefill_id is None:
             self._interrupt(decode)
@@ -230,12 +244,15 @@ class Simulation:
         self._hold(run, route, decode_seq=seq, prefill_seq=pseq)
         self._wake(prefill)
 
+    def _wait_for_room(self, run: Run, front: bool) -> None:
+        self.room.wait(lambda: self.at(self.now, self._place, run, True), front)
+
     def _no_decode_room(self, run: Run) -> bool:
         """Every decode worker has all its sequence slots taken, or fewer free blocks than the
         prompt needs beyond what its prefix cache might hold, while the route is sure to be
         remote (load routing, no local prefill, a prefill worker up): the reservation would be
         refused wherever the router sent it. (At a 128-GPU peak hundreds of requests wait for
-        room, each retried every 50 ms: routing and hashing them all was most of the run.)"""
+        room; the first in line is woken at every finish.)"""
         deployment = self.scenario.deployment
         if (
             deployment.routing == "cost"
@@ -294,6 +311,7 @@ class Simulation:
                 worker.cache_events.clear()
                 self.router.cache_changed(worker.worker_id, stored, evicted)
         self._retire_drained()
+        self.room.freed()  # fresh reports: the first in line may find room now
         if self.on_poll is not None:
             self.on_poll(self)
         if not self._events:  # nothing left that could ever move a request on
@@ -390,6 +408,7 @@ class Simulation:
         self._release(run)
         if run.route is not None:
             self.router.finished(run.route)
+            self.room.freed()
         self._done(run)
 
     def _kv_landed(self, run: Run, key: str) -> None:
@@ -508,6 +527,7 @@ class Simulation:
                 self.workers[worker_id].drop(run.key, seq)
                 self._wake(self.workers[worker_id])
         self.router.unplace(route, run.token_ids())  # type: ignore[arg-type]
+        self.room.freed()
         run.resume_ids = run.token_ids()
         run.route, run.prefill_seq, run.decode_seq = None, None, None
         run.attempts += 1  # (a new attempt key: events of the old one are void)
@@ -540,6 +560,8 @@ class Simulation:
         worker.alive, worker.stepping = True, False
         self.router.add_worker(worker.pool, worker.worker_id)
         self.router.observe(worker.worker_id, worker.blocks.num_free_blocks, 0)
+        if worker.pool == "decode":
+            self.room.freed()
 
     def switch_role(self, worker_id: str, pool: str) -> None:
         """Moves a worker to the other pool, as `POST /admin/workers/{id}/role` does: its

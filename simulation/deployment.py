@@ -85,7 +85,6 @@ class Overheads:
     handover: float = 0.0  # KV in place on the decode worker -> first token out, request admitted
     delivery: float = 0.0  # a step's tokens -> the client
     stats_interval: float = 1.0
-    reserve_retry: float = 0.05  # no decode worker had room: try again after this
     failure_detect: float = 1.0  # a worker dies -> its requests are placed again
     worker_start: float = 60.0  # a new worker: asked for -> serving (model load, warm-up)
     role_switch: float = 5.0  # a drained worker moves to the other pool

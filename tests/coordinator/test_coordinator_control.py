@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Coroutine
+from dataclasses import replace
 
 import pytest
 from ray.exceptions import RayActorError
@@ -223,6 +224,37 @@ def test_full_decode_pool_fails_the_request_after_capacity_wait() -> None:
         assert CONFIG.capacity_wait <= waited < CONFIG.capacity_wait + 1.0
         assert len(cluster.decode["decode-0"].calls["reserve"]) >= 2  # it kept asking
         assert "prefill" not in cluster.prefill["prefill-0"].calls
+
+    run(main())
+
+
+def test_requests_waiting_for_decode_room_get_in_first_come_first_served() -> None:
+    async def main() -> None:
+        cluster = FakeCluster(replace(CONFIG, capacity_wait=4.0))
+        decoder = cluster.decoder()
+        decoder.room = False
+        params = SamplingParams(max_tokens=4)
+        async with cluster.running() as coordinator:
+            first = asyncio.ensure_future(stream(coordinator, params, "req-a"))
+            while len(coordinator.room) < 1:
+                await asyncio.sleep(0.005)
+            second = asyncio.ensure_future(stream(coordinator, params, "req-b"))
+            while len(coordinator.room) < 2:
+                await asyncio.sleep(0.005)
+            assert cluster.decode["decode-0"].ids("reserve") == [
+                "req-a#1"
+            ]  # b waits behind a, without asking
+            decoder.room = True
+            coordinator.room.freed()  # as a request ending there, or a stats report, would
+            results = await asyncio.gather(first, second)
+        for outputs, err in results:
+            assert err is None and streamed_tokens(outputs) == OUTPUT[:4]
+        assert cluster.decode["decode-0"].ids("reserve") == [
+            "req-a#1",
+            "req-a#1",
+            "req-b#1",
+        ]  # a passed it on
+        assert len(coordinator.room) == 0
 
     run(main())
 

@@ -245,3 +245,24 @@ def test_route_prices_come_from_a_step_cost_model() -> None:
     assert costs.prefill_token_seconds == pytest.approx((16e-4 + 0.005 + 1e4 * 1e-8) / 100)
     # 16 -> 32 decodes of 200 tokens: the jump plus 16 x 200 more context, per decode added.
     assert costs.decode_seq_seconds == pytest.approx((0.005 + 16 * 200 * 1e-6) / 16)
+
+
+@pytest.mark.parametrize("policy", ["load", "cost", "round-robin"])
+def test_a_decode_worker_that_refused_is_passed_over_until_it_may_have_room(policy: str) -> None:
+    router = Router(["p0"], ["d0", "d1"], BLOCK, 0, policy)
+    router.observe("d0", 50)
+    router.observe("d1", 10)
+    router.placed(Route("d1", "p0"), PROMPT_B)  # d0 runs fewer and has more free blocks
+    assert router.route(PROMPT_A).decode_id == "d0"
+    router.refused("d0")
+    assert router.may_have_room()
+    assert router.route(PROMPT_A).decode_id == "d1"
+    router.refused("d1")
+    assert not router.may_have_room()
+    assert router.route(PROMPT_A).decode_id in ("d0", "d1")  # all full: still a route
+    router.finished(Route("d1", "p0"))  # a request ended on d1: it may have room again
+    assert router.may_have_room()
+    assert router.route(PROMPT_A).decode_id == "d1"
+    router.observe("d0", 50)  # so does a fresh report
+    if policy == "load":
+        assert router.route(PROMPT_A).decode_id == "d0"
