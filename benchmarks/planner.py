@@ -152,7 +152,9 @@ def timeline(outcome: Outcome, slo: GoodputSLO, window: float) -> list[dict]:
 def small(args: argparse.Namespace) -> dict:
     step = StepCostModel.load(PROFILES / "smollm2-cpu-1thread.json")
     slo = GoodputSLO(ttft_ms=args.small_ttft_ms, tpot_ms=args.small_itl_ms)
-    cfg = PlannerConfig(slo.ttft_ms / 1e3, slo.tpot_ms / 1e3, max_workers=4, shrink_hold_s=30)
+    cfg = PlannerConfig(
+        slo.ttft_ms / 1e3, slo.tpot_ms / 1e3, max_workers=4, shrink_hold_s=30, lead_s=20.0
+    )
     phase = args.small_phase_s
     workloads = {
         "step": workload(
@@ -194,6 +196,7 @@ def large(args: argparse.Namespace) -> dict:
         max_num_seqs=256,
         max_num_batched_tokens=8192,
         shrink_hold_s=120,
+        lead_s=120.0,  # = worker_start below
     )
     period = args.large_period_s
     requests = workload(

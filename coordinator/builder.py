@@ -50,6 +50,7 @@ from protocol.kv import DTYPE_BYTES
 log = logging.getLogger(__name__)
 LOCAL_LOGICAL_CPUS = 32  # placements a cluster tandem starts itself allows
 WORKER_OVERHEAD_BYTES = 600 * 2**20  # a worker process beyond its weights and KV cache
+PLANNER_LEAD_S = 60.0  # the planner plans a rising load this far ahead: a new GPU worker's start
 
 
 def connect_ray(address: str | None, num_cpus: int | None = None) -> None:
@@ -176,6 +177,7 @@ def planner_setup(
         max_workers=max_workers,
         max_num_seqs=engine.max_num_seqs,
         max_num_batched_tokens=engine.max_num_batched_tokens,
+        lead_s=PLANNER_LEAD_S,
     )
     return PlannerSetup(
         Planner(model, config),

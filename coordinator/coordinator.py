@@ -269,6 +269,10 @@ class Coordinator:
     def queued_prefill_tokens(self) -> int:
         return sum(s.queued_prefill_tokens for w, s in self._stats.items() if w in self.prefill)
 
+    def decode_kv_tokens(self) -> int:
+        sizes = [s.num_total_blocks for w, s in self._stats.items() if w in self.decode]
+        return min((n for n in sizes if n), default=0) * self.router.block_size
+
     def steps_since(self, since: float) -> list[StepRecord]:
         return self.telemetry.steps_since(since)
 

@@ -51,6 +51,9 @@ class PoolControl(Protocol):
 
     def queued_prefill_tokens(self) -> int: ...
 
+    def decode_kv_tokens(self) -> int:
+        """The KV cache of the smallest decode worker, in tokens (0 before any report)."""
+
     def steps_since(self, since: float) -> list[StepRecord]:
         """Engine steps (of every worker) that ended after `since` (time.time())."""
 
@@ -189,6 +192,8 @@ class PlannerLoop:
             observed_ttft_s=seen.ttft_s,
             observed_itl_s=seen.itl_s,
             starting_workers=prefill[1] + decode[1],
+            rate_trend=seen.rate_trend,
+            decode_kv_tokens=self.pools.decode_kv_tokens(),
         )
 
     # -- acting ----------------------------------------------------------------------------

@@ -10,20 +10,27 @@ Prediction, queue included (`predict`), from the per-step cost model:
   token / P) + t_p / (1 - rho) (an M/M/1 wait per worker), infinite at rho >= 1;
 - decode: with n requests per decode worker a step takes step(n) (n decodes of mean context),
   and Little's law ties them: n = rate / D x output_len x step(n); solved by iteration, capped
-  at max_num_seqs. A decode pool that cannot keep up even at the cap is infinite ITL.
+  at max_num_seqs and at the requests of mean context the worker's KV cache holds. A decode pool
+  that cannot keep up even at the cap is infinite ITL.
+- the rate it predicts for is the one `lead_s` ahead (a new worker's start-up) when the window
+  sees a clear upward trend: a worker asked for now serves the load of then.
 
 Decisions, in order of cost, at most one per tick:
-1. the SLO is threatened (predicted or observed TTFT/ITL over its limit): switch one worker to
-   the other pool when some split of the same workers meets the SLO;
+1. the SLO is threatened (predicted or observed TTFT/ITL over its limit): switch workers to
+   the other pool when some split of the same workers meets the SLO (when only the observation
+   is over, the model finding the layout now fine, only to a split scoring clearly better:
+   latency observed now may be the backlog of a past peak, which a switch does not clear);
 2. no split does: grow, asking for the whole deficit at once (the smallest worker count up to
    `max_workers` whose best split meets it); none does up to the cap: move to the layout of
-   `max_workers` closest to the SLO (best score) if it is clearly closer than the layout now,
-   else report it infeasible; never grow past the cap;
-3. all is well and one worker fewer would still meet the SLO with margin (its load re-predicted
-   on the survivors) for `shrink_hold_s`: shrink by one.
-Stability: a cool-down after each action; a layout left less than `flap_window_s` ago is not
-returned to unless the SLO is violated right now; shrinking needs the wide margin `shrink_at`,
-growing only the limit, so a constant load settles and stays.
+   `max_workers` with the most capacity (the highest rate it serves within the SLO, which
+   depends on the lengths, not on the backlog of the moment) if it serves `ROOMIER` times more
+   than the layout now and was not left within `flap_window_s`, else report it infeasible;
+   never grow past the cap;
+3. all is well, the rate is not rising, and one worker fewer would still meet the SLO with
+   margin (its load re-predicted on the survivors) for `shrink_hold_s`: shrink by one.
+Stability: a cool-down after each action; a layout left less than `flap_window_s` ago is never
+returned to (no A -> B -> A); shrinking needs the wide margin `shrink_at`, growing only the
+limit, so a constant load settles and stays.
 """
 
 from __future__ import annotations
@@ -36,7 +43,10 @@ from typing import NamedTuple
 from planning.cost_model import CostModel, StepShape
 
 ITERATIONS = 40
-CLOSER = 0.9  # an infeasible SLO: move only to a layout this much closer to it (score ratio)
+BETTER = 0.8  # a violation the model does not predict: switch only for this much better a score
+ROOMIER = 1.1  # an infeasible SLO: move only to a layout serving this much more (capacity ratio)
+CAPACITY_STEPS = 16  # bisections of the rate a layout serves within the SLO
+CAPACITY_CACHE = 1024  # capacities kept, by layout and whole-token mean lengths
 DECISION_LOG = 256
 
 
@@ -52,6 +62,7 @@ class PlannerConfig:
     flap_window_s: float = 600.0
     shrink_hold_s: float = 60.0
     shrink_at: float = 0.6  # shrink only if the smaller layout predicts <= this x the SLO
+    lead_s: float = 0.0  # a rising rate is predicted this far ahead (a new worker's start)
 
 
 class Observation(NamedTuple):
@@ -65,6 +76,8 @@ class Observation(NamedTuple):
     observed_ttft_s: float | None = None  # p99 over the last window, if any finished
     observed_itl_s: float | None = None
     starting_workers: int = 0  # asked for (counted in the pools above), not serving yet
+    rate_trend: float = 0.0  # requests per second, per second (LoadWindow.trend)
+    decode_kv_tokens: int = 0  # the KV cache of a decode worker (the smallest), 0: unknown
 
 
 class Prediction(NamedTuple):
@@ -104,13 +117,16 @@ def predict(
     backlog = obs.queued_prefill_tokens * t_prefill / prompt / max(prefill, 1)
     ttft = math.inf if rho >= 1 else backlog + t_prefill / (1 - rho)
     context = prompt + output / 2
+    cap = config.max_num_seqs
+    if obs.decode_kv_tokens:
+        cap = max(1, min(cap, int(obs.decode_kv_tokens // context)))
     per_worker_rate = obs.arrival_rate / decode
     n = 1.0
     for _ in range(ITERATIONS):
         step = model.predict(StepShape(0, 0, max(round(n), 1), round(max(n, 1) * context)))
-        n = min(per_worker_rate * output * step, config.max_num_seqs)
+        n = min(per_worker_rate * output * step, cap)
     step = model.predict(StepShape(0, 0, max(round(n), 1), round(max(n, 1) * context)))
-    keeps_up = per_worker_rate * output * step <= config.max_num_seqs
+    keeps_up = per_worker_rate * output * step <= cap
     itl = step if keeps_up else math.inf
     if not keeps_up:
         ttft = math.inf  # admission waits behind a decode pool that falls behind
@@ -125,9 +141,11 @@ class Planner:
     _last_action_at: float = -math.inf
     _left: dict[tuple[int, int], float] = field(default_factory=dict)  # layout -> when left
     _shrinkable_since: float | None = None
+    _capacities: dict[tuple[int, int, int, int], float] = field(default_factory=dict)
 
     def decide(self, obs: Observation) -> Decision:
         cfg = self.config
+        seen, obs = obs, self.ahead(obs)  # predictions are for the rate a new worker will meet
         now_layout = (obs.prefill_workers, obs.decode_workers)
         current = predict(self.model, cfg, obs, *now_layout)
         violated = _over(obs.observed_ttft_s, cfg.ttft_slo_s) or _over(
@@ -135,10 +153,13 @@ class Planner:
         )
         threatened = violated or not current.within(cfg)
         cooling = obs.at - self._last_action_at < cfg.cooldown_s
+        rate = f"at {obs.arrival_rate:.2f} req/s"
+        if obs.arrival_rate != seen.arrival_rate:
+            rate += f" ({seen.arrival_rate:.2f} now, rising {obs.rate_trend:+.3f}/s)"
 
         def decision(action: str, layout: tuple[int, int], reason: str, pred: Prediction):
             made = Decision(
-                obs.at, action, *layout, reason, pred, current,
+                obs.at, action, *layout, f"{reason} [{rate}]", pred, current,
                 obs.observed_ttft_s, obs.observed_itl_s,
             )  # fmt: skip
             if action in ("switch", "grow", "shrink"):
@@ -158,28 +179,35 @@ class Planner:
         if threatened:
             self._shrinkable_since = None
             why = f"SLO {'observed' if violated else 'predicted'} over its limit"
-            same = self._best_split(obs, total, violated)
-            if same is not None and same[0] != now_layout:
+            same = self._best_split(obs, total)
+            if (
+                same is not None
+                and same[0] != now_layout
+                and (not current.within(cfg) or same[1].score(cfg) < BETTER * current.score(cfg))
+            ):
                 reason = f"{why}; another split of the same {total} workers meets it"
                 return decision("switch", same[0], reason, same[1])
             for workers in range(total + 1, cfg.max_workers + 1):
-                grown = self._best_split(obs, workers, violated)
+                grown = self._best_split(obs, workers)
                 if grown is not None:
                     reason = f"{why}; no split of {total} workers meets it, {workers} do"
                     return decision("grow", grown[0], reason, grown[1])
-            best = self._best_split(obs, cfg.max_workers, True, require=False)
-            assert best is not None
             none_meets = f"no layout of up to {cfg.max_workers} workers meets it"
-            layout, pred = best
-            if layout != now_layout and pred.score(cfg) < CLOSER * current.score(cfg):
-                # Still the best we can do: the closest layout within bounds serves more.
-                action = "switch" if sum(layout) == total else "grow"
-                reason = f"{why}; {none_meets}: moving to the closest, {layout[0]}P{layout[1]}D"
-                return decision(action, layout, reason, pred)
+            roomiest = self._roomiest(obs, cfg.max_workers)
+            if roomiest is not None:
+                layout, room = roomiest
+                if room > ROOMIER * self.capacity(obs, now_layout):
+                    # Still the best we can do: the layout within bounds that serves the most.
+                    action = "switch" if sum(layout) == total else "grow"
+                    reason = (
+                        f"{why}; {none_meets}: moving to the one serving the most, "
+                        f"{layout[0]}P{layout[1]}D ({room:.2f} req/s within the SLO)"
+                    )
+                    return decision(action, layout, reason, predict(self.model, cfg, obs, *layout))
             reason = f"{why}; {none_meets}: not growing"
-            return decision("infeasible", now_layout, reason, pred)
-        if total > cfg.min_workers:
-            smaller = self._best_split(obs, total - 1, False, factor=cfg.shrink_at)
+            return decision("infeasible", now_layout, reason, current)
+        if total > cfg.min_workers and obs.rate_trend <= 0:
+            smaller = self._best_split(obs, total - 1, factor=cfg.shrink_at)
             if smaller is not None:
                 if self._shrinkable_since is None:
                     self._shrinkable_since = obs.at
@@ -191,24 +219,66 @@ class Planner:
         self._shrinkable_since = None
         return decision("none", now_layout, "within the SLO", current)
 
-    def _best_split(
-        self,
-        obs: Observation,
-        workers: int,
-        urgent: bool,
-        factor: float = 1.0,
-        require: bool = True,
-    ) -> tuple[tuple[int, int], Prediction] | None:
-        """The split of `workers` with the best score (meeting the SLO x factor unless not
-        `require`); layouts left recently are skipped unless `urgent`."""
+    def ahead(self, obs: Observation) -> Observation:
+        """The observation with the rate expected `lead_s` from now, if it is rising."""
+        if obs.rate_trend <= 0 or not self.config.lead_s:
+            return obs
+        return obs._replace(arrival_rate=obs.arrival_rate + obs.rate_trend * self.config.lead_s)
+
+    def capacity(self, obs: Observation, layout: tuple[int, int]) -> float:
+        """The highest arrival rate (requests per second, of the observed lengths, no backlog)
+        the layout serves within the SLO; 0 if it cannot at any rate."""
+        key = (*layout, round(obs.mean_prompt), round(obs.mean_output))
+        if key not in self._capacities:
+            if len(self._capacities) >= CAPACITY_CACHE:
+                self._capacities.clear()
+            self._capacities[key] = self._capacity(obs, layout)
+        return self._capacities[key]
+
+    def _capacity(self, obs: Observation, layout: tuple[int, int]) -> float:
+        quiet = obs._replace(queued_prefill_tokens=0)
+
+        def meets(rate: float) -> bool:
+            pred = predict(self.model, self.config, quiet._replace(arrival_rate=rate), *layout)
+            return pred.within(self.config)
+
+        low, high = 0.0, 1.0
+        while meets(high) and high < 1e6:
+            low, high = high, high * 2
+        if low == 0.0 and not meets(1e-6):
+            return 0.0
+        for _ in range(CAPACITY_STEPS):
+            middle = (low + high) / 2
+            low, high = (middle, high) if meets(middle) else (low, middle)
+        return low
+
+    def _roomiest(self, obs: Observation, workers: int) -> tuple[tuple[int, int], float] | None:
+        """The split of `workers` with the most capacity, among those not left recently."""
         options = []
         for prefill in range(1, workers):
             layout = (prefill, workers - prefill)
             left = self._left.get(layout)
-            if not urgent and left is not None and obs.at - left < self.config.flap_window_s:
+            if left is not None and obs.at - left < self.config.flap_window_s:
+                continue
+            options.append((self.capacity(obs, layout), layout))
+        if not options:
+            return None
+        room, layout = max(options, key=lambda option: (option[0], -option[1][0]))
+        return layout, room
+
+    def _best_split(
+        self, obs: Observation, workers: int, factor: float = 1.0
+    ) -> tuple[tuple[int, int], Prediction] | None:
+        """The split of `workers` with the best score among those meeting the SLO x `factor`
+        and not left within `flap_window_s`."""
+        options = []
+        for prefill in range(1, workers):
+            layout = (prefill, workers - prefill)
+            left = self._left.get(layout)
+            if left is not None and obs.at - left < self.config.flap_window_s:
                 continue
             pred = predict(self.model, self.config, obs, *layout)
-            if require and not pred.within(self.config, factor):
+            if not pred.within(self.config, factor):
                 continue
             options.append((pred.score(self.config), layout, pred))
         if not options:

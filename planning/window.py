@@ -2,8 +2,10 @@
 
 Whoever serves requests (the coordinator, or the simulator) reports each arrival with its prompt
 length, and each finished request with its output length, TTFT and mean ITL; `summary(now)`
-gives the arrival rate, mean lengths and latency percentiles of what fell in the window. Plain
-Python: bounded by the window, never by the run.
+gives the arrival rate, mean lengths and latency percentiles of what fell in the window, and the
+rate's trend over a longer span (`trend_s`): the slope of a straight line through arrivals per
+`TREND_BUCKET_S` bucket, or 0 while that slope is within two standard errors of flat (Poisson
+noise must not look like a ramp). Plain Python: bounded by the spans, never by the run.
 """
 
 from __future__ import annotations
@@ -14,6 +16,8 @@ from typing import NamedTuple
 
 MIN_SAMPLES = 5  # fewer finished requests in the window: no observed percentile
 MAX_KEPT = 100_000  # per deque: a burst larger than this is summarised by its newest part
+TREND_BUCKET_S = 10.0
+MIN_TREND_BUCKETS = 4
 
 
 class Finished(NamedTuple):
@@ -30,20 +34,27 @@ class WindowSummary(NamedTuple):
     ttft_s: float | None  # the window's percentile, None with too few samples
     itl_s: float | None
     finished: int
+    rate_trend: float = 0.0  # requests per second, per second; 0 unless clearly sloped
 
 
 class LoadWindow:
-    def __init__(self, span_s: float = 10.0, percentile: float = 99.0) -> None:
+    def __init__(
+        self, span_s: float = 10.0, percentile: float = 99.0, trend_s: float = 120.0
+    ) -> None:
         self.span_s = span_s
         self.percentile = percentile
+        self.trend_s = trend_s
         self.arrivals: deque[tuple[float, int]] = deque(maxlen=MAX_KEPT)
         self.done: deque[Finished] = deque(maxlen=MAX_KEPT)
         self.started_at: float | None = None
+        self._buckets: dict[int, int] = {}  # bucket number -> arrivals, over `trend_s`
 
     def arrived(self, at: float, prompt_tokens: int) -> None:
         if self.started_at is None:
             self.started_at = at
         self.arrivals.append((at, prompt_tokens))
+        bucket = math.floor(at / TREND_BUCKET_S)
+        self._buckets[bucket] = self._buckets.get(bucket, 0) + 1
 
     def finished(self, at: float, output_tokens: int, ttft_s: float, itl_s: float | None) -> None:
         self.done.append(Finished(at, output_tokens, ttft_s, itl_s))
@@ -65,7 +76,31 @@ class LoadWindow:
             ttft_s=percentile([f.ttft_s for f in self.done], self.percentile),
             itl_s=percentile(itls, self.percentile),
             finished=len(self.done),
+            rate_trend=self.trend(now),
         )
+
+    def trend(self, now: float) -> float:
+        """The arrival rate's slope over the whole buckets of the last `trend_s` seconds (those
+        after the first arrival), if it is clearly not flat; else 0."""
+        last = math.floor(now / TREND_BUCKET_S) - 1  # the newest whole bucket
+        first = last - int(self.trend_s / TREND_BUCKET_S) + 1
+        if self.started_at is not None:
+            first = max(first, math.ceil(self.started_at / TREND_BUCKET_S))
+        for bucket in [b for b in self._buckets if b < first]:
+            del self._buckets[bucket]
+        n = last - first + 1
+        if n < MIN_TREND_BUCKETS:
+            return 0.0
+        xs = [(b + 0.5) * TREND_BUCKET_S for b in range(first, last + 1)]
+        ys = [self._buckets.get(b, 0) / TREND_BUCKET_S for b in range(first, last + 1)]
+        x_mean, y_mean = sum(xs) / n, sum(ys) / n
+        sxx = sum((x - x_mean) ** 2 for x in xs)
+        slope = sum((x - x_mean) * (y - y_mean) for x, y in zip(xs, ys, strict=True)) / sxx
+        residual = sum(
+            (y - y_mean - slope * (x - x_mean)) ** 2 for x, y in zip(xs, ys, strict=True)
+        )
+        stderr = math.sqrt(residual / (n - 2) / sxx)
+        return slope if abs(slope) > 2 * stderr else 0.0
 
 
 def _mean(values: list[int]) -> float:

@@ -61,6 +61,9 @@ class PlannerDriver:
             observed_ttft_s=seen.ttft_s,
             observed_itl_s=seen.itl_s,
             starting_workers=sum(pending.values()),
+            rate_trend=seen.rate_trend,
+            decode_kv_tokens=min((w.blocks.num_blocks for w in sim.serving("decode")), default=0)
+            * sim.router.block_size,
         )
 
     def apply(self, sim: Simulation, decision: Decision) -> None:

@@ -57,6 +57,9 @@ class FakePools:
     def queued_prefill_tokens(self) -> int:
         return 0
 
+    def decode_kv_tokens(self) -> int:
+        return 0
+
     def steps_since(self, since: float) -> list[StepRecord]:
         return [s for s in self.steps if s.end > since]
 
@@ -124,7 +127,7 @@ def test_growth_asks_the_cluster_for_the_whole_layout_first() -> None:
 
 
 def test_an_infeasible_slo_is_reported_once_and_nothing_grows() -> None:
-    pools = FakePools(1, 1)
+    pools = FakePools(2, 1)  # already the 3-worker layout serving the most of this load
     loop = loaded_loop("on", pools, rate=40.0, max_workers=3)
     for _ in range(3):
         assert asyncio.run(loop.tick()).action == "infeasible"
@@ -132,6 +135,18 @@ def test_an_infeasible_slo_is_reported_once_and_nothing_grows() -> None:
     reports = loop.status()["decisions"]
     assert [d["outcome"] for d in reports] == ["reported"]
     assert loop.status()["current"]["current"]["ttft_s"] is None  # infinite, served as null
+
+
+def test_an_infeasible_slo_grows_to_the_cap_once_and_no_further() -> None:
+    pools = FakePools(1, 1)
+    loop = loaded_loop("on", pools, rate=40.0, max_workers=3)
+    decision = asyncio.run(loop.tick())
+    assert decision.action == "grow" and "serving the most" in decision.reason
+    assert pools.sizes == {"prefill": 2, "decode": 1}  # the cap, prefill-heavy as the load is
+    loop.clock_value[0] += 0.6  # past the cool-down (the window still sees over 9 req/s)
+    for _ in range(3):
+        assert asyncio.run(loop.tick()).action == "infeasible"
+    assert [c[0] for c in pools.calls] == ["capacity", "scale"]
 
 
 def test_a_failed_action_is_recorded_with_its_error() -> None:

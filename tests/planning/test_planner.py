@@ -1,12 +1,14 @@
 """The SLO planner: predictions that grow with the load (queue included), switches before
 growth, the whole deficit asked at once, infeasible SLOs reported (never unbounded growth) after
-moving to the layout closest to them,
-shrinking only with margin, no A -> B -> A; and, driving a simulated deployment, a load step
-answered and a constant load left alone."""
+moving to the layout that serves the most, the KV cache's room, a rising rate planned for ahead,
+shrinking only with margin and never on a rise, no A -> B -> A; and, driving a simulated
+deployment, a load step answered and a constant load left alone."""
 
 from __future__ import annotations
 
+import itertools
 import math
+from dataclasses import replace
 from pathlib import Path
 
 from loadtest.config import LoadConfig
@@ -62,15 +64,81 @@ def test_an_infeasible_slo_is_reported_not_chased():
     assert (decision.prefill_workers, decision.decode_workers) == (2, 2)  # nothing added
 
 
-def test_an_infeasible_slo_still_moves_to_the_closest_layout():
-    """Prefill-bound beyond what 4 workers can meet: 3P1D misses it least, so the planner goes
-    there (a role switch), and once there reports it infeasible instead of moving on."""
+def test_an_infeasible_slo_still_moves_to_the_layout_serving_the_most():
+    """Prefill-bound beyond what 4 workers can meet: 3P1D serves the most within the SLO, so
+    the planner goes there (a role switch), and once there reports it infeasible instead of
+    moving on."""
     planner = Planner(MODEL, CONFIG)
     decision = planner.decide(obs(0, 1, 3, 8.0, prompt=900, output=16))
     assert (decision.action, decision.prefill_workers, decision.decode_workers) == ("switch", 3, 1)
-    assert "closest" in decision.reason and not decision.predicted.within(CONFIG)
-    there = planner.decide(obs(CONFIG.cooldown_s + 1, 3, 1, 8.0, prompt=900, output=16))
+    assert "serving the most" in decision.reason and not decision.predicted.within(CONFIG)
+    lengths = {"prompt": 900, "output": 16}
+    capacity = {
+        p: planner.capacity(obs(0, p, 4 - p, 8.0, **lengths), (p, 4 - p)) for p in (1, 2, 3)
+    }
+    assert max(capacity, key=capacity.get) == 3 and capacity[3] < 8.0
+    assert predict(MODEL, CONFIG, obs(0, 3, 1, capacity[3] * 0.99, **lengths), 3, 1).within(CONFIG)
+    assert not predict(MODEL, CONFIG, obs(0, 3, 1, capacity[3] * 1.01, **lengths), 3, 1).within(
+        CONFIG
+    )
+    there = planner.decide(obs(CONFIG.cooldown_s + 1, 3, 1, 8.0, **lengths))
     assert (there.action, there.prefill_workers, there.decode_workers) == ("infeasible", 3, 1)
+
+
+def test_an_infeasible_slo_does_not_flap_as_the_backlog_swings():
+    """Over capacity, the queue and the observed percentiles swing from tick to tick; the layout
+    serving the most does not depend on them, so the planner moves once and stays."""
+    planner = Planner(MODEL, CONFIG)
+    decisions = [
+        planner.decide(
+            obs(t, *((1, 3) if t == 0 else (3, 1)), 8.0 + (t % 7), prompt=900, output=16,
+                queued=(t * 7919) % 20000, observed_ttft_s=5.0 + t % 3, observed_itl_s=0.5)
+        )
+        for t in range(0, 1200, 2)
+    ]  # fmt: skip
+    moves = [d for d in decisions if d.action in ("switch", "grow", "shrink")]
+    assert [(d.prefill_workers, d.decode_workers) for d in moves] == [(3, 1)]
+
+
+def test_no_return_to_a_layout_left_within_the_flap_window_even_while_violated():
+    """The mix swings between prefill-heavy and decode-heavy every 20 s and the observed TTFT
+    stays over its limit (a backlog): each swing makes the other split look right, yet a
+    layout once left is not taken again within 10 minutes."""
+    planner = Planner(MODEL, CONFIG)
+    layout, moves = (2, 2), []
+    for t in range(0, 1200, 2):
+        lengths = {"prompt": 900, "output": 16} if (t // 20) % 2 else {"prompt": 60, "output": 400}
+        decision = planner.decide(obs(t, *layout, 2.5, observed_ttft_s=4.0, **lengths))
+        if decision.action in ("switch", "grow", "shrink"):
+            moves.append((t, layout))
+            layout = (decision.prefill_workers, decision.decode_workers)
+    assert moves  # it did act
+    for (t0, left), (t1, _) in itertools.pairwise(moves + [(1200, layout)]):
+        later = [t for t, was in moves if was == left and t > t0]
+        assert all(t - t0 >= CONFIG.flap_window_s for t in later)
+        assert t1 > t0
+
+
+def test_the_kv_cache_caps_the_requests_a_decode_worker_runs():
+    """300 + 64 / 2 tokens of mean context: 1,000 tokens of KV hold 3 such requests."""
+    roomy = predict(MODEL, CONFIG, obs(0, 1, 1, 3.0), 1, 1)
+    assert roomy.decode_per_worker > 6 and roomy.within(CONFIG)
+    capped = predict(MODEL, CONFIG, obs(0, 1, 1, 3.0, decode_kv_tokens=1000), 1, 1)
+    assert capped.decode_per_worker == 3 and capped.itl_s == math.inf  # it cannot keep up
+    assert predict(MODEL, CONFIG, obs(0, 1, 3, 3.0, decode_kv_tokens=1000), 1, 3).within(CONFIG)
+
+
+def test_a_rising_rate_is_planned_for_a_worker_start_ahead_and_never_shrunk_on():
+    config = replace(CONFIG, max_workers=8, lead_s=60.0)
+    flat = Planner(MODEL, config).decide(obs(0, 1, 1, 1.0))
+    rising = Planner(MODEL, config).decide(obs(0, 1, 1, 1.0, rate_trend=0.15))  # 10 req/s ahead
+    assert flat.action == "none"
+    assert rising.action == "grow" and "rising" in rising.reason
+    layout = (rising.prefill_workers, rising.decode_workers)
+    assert predict(MODEL, config, obs(0, *layout, 10.0), *layout).within(config)
+    quiet = Planner(MODEL, config)
+    for t in range(0, 200, 2):  # light, but rising: no shrink
+        assert quiet.decide(obs(t, 2, 2, 0.2, rate_trend=0.001)).action == "none"
 
 
 def test_shrink_needs_margin_held_and_never_flaps_back():

@@ -34,6 +34,24 @@ def test_a_young_window_divides_by_what_it_has_seen() -> None:
     assert window.summary(102.0).arrival_rate == pytest.approx(3.0)
 
 
+def test_the_trend_is_a_clear_slope_or_nothing() -> None:
+    rng = np.random.default_rng(0)
+    ramp, steady = LoadWindow(trend_s=120.0), LoadWindow(trend_s=120.0)
+    for window, rate in ((ramp, lambda t: 1.0 + 0.05 * t), (steady, lambda t: 3.0)):
+        t = 0.0
+        while t < 300.0:  # Poisson arrivals at rate(t)
+            t += rng.exponential(1.0 / rate(t))
+            window.arrived(t, 100)
+    assert ramp.summary(300.0).rate_trend == pytest.approx(0.05, rel=0.35)
+    assert steady.summary(300.0).rate_trend == 0.0  # noise is not a ramp
+    assert LoadWindow().summary(0.0).rate_trend == 0.0
+    young = LoadWindow()
+    for i in range(25):  # 25 s of a steep rise: under four whole buckets, no trend yet
+        young.arrived(float(i), 10)
+    assert young.summary(25.0).rate_trend == 0.0
+    assert len(ramp._buckets) <= 13  # kept over the trend's span, not the run
+
+
 def test_percentiles_need_enough_samples_and_match_numpy() -> None:
     assert percentile([1.0, 2.0, 3.0, 4.0], 99) is None
     values = [3.0, 1.0, 7.0, 2.0, 9.0, 4.0]
