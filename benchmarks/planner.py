@@ -153,7 +153,12 @@ def small(args: argparse.Namespace) -> dict:
     step = StepCostModel.load(PROFILES / "smollm2-cpu-1thread.json")
     slo = GoodputSLO(ttft_ms=args.small_ttft_ms, tpot_ms=args.small_itl_ms)
     cfg = PlannerConfig(
-        slo.ttft_ms / 1e3, slo.tpot_ms / 1e3, max_workers=4, shrink_hold_s=30, lead_s=20.0
+        slo.ttft_ms / 1e3,
+        slo.tpot_ms / 1e3,
+        max_workers=4,
+        shrink_hold_s=30,
+        lead_s=20.0,
+        decode_headroom_tokens=256,
     )
     phase = args.small_phase_s
     workloads = {
@@ -197,6 +202,7 @@ def large(args: argparse.Namespace) -> dict:
         max_num_batched_tokens=8192,
         shrink_hold_s=120,
         lead_s=120.0,  # = worker_start below
+        decode_headroom_tokens=256,  # = EngineLimits' default below
     )
     period = args.large_period_s
     requests = workload(

@@ -134,6 +134,14 @@ def _add_model_flags(g: argparse._ArgumentGroup) -> None:
         default=engine("max_num_batched_tokens"),
         help="tokens per engine step",
     )
+    g.add_argument(
+        "--decode-headroom-tokens",
+        type=int,
+        default=engine("decode_headroom_tokens"),
+        metavar="N",
+        help="a decode worker takes new KV only while every request it holds can still grow by "
+        "N tokens (fewer near max_tokens) without preempting one",
+    )
     g.add_argument("--max-model-len", type=int, help="context length (default: the model's)")
     g.add_argument(
         "--prefix-caching",
@@ -409,6 +417,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         kv_cache_memory_bytes=args.kv_cache_memory,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
+        decode_headroom_tokens=args.decode_headroom_tokens,
         max_model_len=args.max_model_len,
         enable_prefix_caching=args.prefix_caching,
         seed=args.seed,

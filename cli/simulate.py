@@ -83,6 +83,12 @@ def add_deployment_flags(p: argparse.ArgumentParser) -> None:
         default=default_of(EngineConfig, "max_num_batched_tokens"),
     )
     g.add_argument("--no-prefix-caching", action="store_true")
+    g.add_argument(
+        "--decode-headroom-tokens",
+        type=int,
+        default=default_of(EngineConfig, "decode_headroom_tokens"),
+        help="as tandem serve's",
+    )
     g.add_argument("--step-gap-ms", type=float, default=0.0, help="host time between steps")
     g.add_argument("--dispatch-ms", type=float, default=0.0, help="client send -> routed")
     g.add_argument("--handover-ms", type=float, default=0.0, help="KV landed -> first token out")
@@ -154,6 +160,7 @@ def scenario_from_args(args: argparse.Namespace) -> Scenario:
                 args.max_num_seqs,
                 args.max_num_batched_tokens,
                 not args.no_prefix_caching,
+                args.decode_headroom_tokens,
             ),
             args.routing,
             args.local_prefill_threshold,

@@ -178,6 +178,7 @@ def planner_setup(
         max_num_seqs=engine.max_num_seqs,
         max_num_batched_tokens=engine.max_num_batched_tokens,
         lead_s=PLANNER_LEAD_S,
+        decode_headroom_tokens=engine.decode_headroom_tokens,
     )
     return PlannerSetup(
         Planner(model, config),

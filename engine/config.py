@@ -108,6 +108,9 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048
     max_model_len: int | None = None
     enable_prefix_caching: bool = True
+    # A decode worker admits transferred KV only while every request it holds keeps room for
+    # this many more tokens (scheduler.fits_with_headroom); 0: blocks for the prompt suffice.
+    decode_headroom_tokens: int = 256
     seed: int = 0
     tensor_parallel_size: int = 1  # ranks (devices, or CPU cores) the model is split across
     rank_timeout: float = 120.0  # seconds ranks may take to start, or to meet in a collective
@@ -123,6 +126,8 @@ class EngineConfig:
         ):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be at least 1")
+        if self.decode_headroom_tokens < 0:
+            raise ConfigError("decode_headroom_tokens must be at least 0")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ConfigError("num_kv_blocks must be at least 1")
 

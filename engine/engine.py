@@ -21,7 +21,7 @@ from engine.kv_cache import num_blocks_for_budget
 from engine.parallel import shard_for
 from engine.runner import ModelRunner
 from engine.sampler import SampleRow, sample
-from engine.scheduler import Scheduler, SchedulerConfig, StepPlan
+from engine.scheduler import Scheduler, SchedulerConfig, StepPlan, fits_with_headroom
 from engine.sequence import Sequence
 from engine.stop import blocked_tokens, check_stop
 from engine.tensor_parallel import Launcher
@@ -133,11 +133,15 @@ class LLMEngine:
         output_ids: Sequence_[int] = (),
     ) -> Reservation | None:
         """Holds blocks for a request whose KV another worker computes; None when they do not
-        fit now. Prefix-cache hits are taken here and need not be sent."""
+        fit now with `decode_headroom_tokens` of growth left for every request here. Prefix-cache
+        hits are taken here and need not be sent."""
         seq = self._new_sequence(request_id, prompt_ids, params, output_ids)
         del self.sequences[request_id]
         hits = self.blocks.match_prefix(seq.token_ids)
-        block_table = self.blocks.allocate_prefix(hits, seq.num_tokens)
+        held = (*self.scheduler.running, *self.reserved.values())
+        headroom = self.config.decode_headroom_tokens
+        fits = fits_with_headroom(self.blocks, held, seq, hits, headroom)
+        block_table = self.blocks.allocate_prefix(hits, seq.num_tokens) if fits else None
         if block_table is None:
             self.generators.pop(request_id, None)
             return None

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -20,6 +21,28 @@ from engine.block_manager import BlockManager, num_blocks_for
 from engine.sequence import Sequence, SequenceStatus
 from planning.cost_model import StepShape
 from protocol.sampling import FinishReason
+
+
+def fits_with_headroom(
+    blocks: BlockManager, held: Iterable[Sequence], seq: Sequence, hits: list[int], tokens: int
+) -> bool:
+    """Whether `seq` (its prompt, `hits` of it cached) can take blocks now and still leave each
+    sequence `held` here, and itself, room to grow by `tokens` more tokens (fewer when its
+    max_tokens is nearer). A decode worker admits transferred KV only so: once full, its only
+    way on is preempting a running request, whose whole prompt it must then recompute itself.
+    """
+    bs = blocks.block_size
+    taken = sum(1 for block in hits if blocks.ref_counts[block] == 0)  # evictable, counted free
+    need = _grown(seq, tokens, bs) - len(hits) + taken
+    for other in held:
+        need += max(0, _grown(other, tokens, bs) - len(other.block_table))
+    return need <= blocks.num_free_blocks
+
+
+def _grown(seq: Sequence, tokens: int, block_size: int) -> int:
+    """Blocks the sequence will hold `tokens` tokens from now (none past max_tokens)."""
+    room = max(0, min(tokens, seq.params.max_tokens - seq.num_output_tokens))
+    return num_blocks_for(seq.num_tokens + room, block_size)
 
 
 @dataclass(frozen=True)

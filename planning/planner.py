@@ -10,7 +10,8 @@ Prediction, queue included (`predict`), from the per-step cost model:
   token / P) + t_p / (1 - rho) (an M/M/1 wait per worker), infinite at rho >= 1;
 - decode: with n requests per decode worker a step takes step(n) (n decodes of mean context),
   and Little's law ties them: n = rate / D x output_len x step(n); solved by iteration, capped
-  at max_num_seqs and at the requests of mean context the worker's KV cache holds. A decode pool
+  at max_num_seqs and at the requests of mean context (plus the growth room the worker keeps for
+  each) its KV cache holds. A decode pool
   that cannot keep up even at the cap is infinite ITL.
 - the rate it predicts for is the one `lead_s` ahead (a new worker's start-up) when the window
   sees a clear upward trend: a worker asked for now serves the load of then.
@@ -63,6 +64,7 @@ class PlannerConfig:
     shrink_hold_s: float = 60.0
     shrink_at: float = 0.6  # shrink only if the smaller layout predicts <= this x the SLO
     lead_s: float = 0.0  # a rising rate is predicted this far ahead (a new worker's start)
+    decode_headroom_tokens: int = 0  # growth room a decode worker keeps per request (engine)
 
 
 class Observation(NamedTuple):
@@ -119,7 +121,8 @@ def predict(
     context = prompt + output / 2
     cap = config.max_num_seqs
     if obs.decode_kv_tokens:
-        cap = max(1, min(cap, int(obs.decode_kv_tokens // context)))
+        held = context + min(config.decode_headroom_tokens, output / 2)  # and its growth room
+        cap = max(1, min(cap, int(obs.decode_kv_tokens // held)))
     per_worker_rate = obs.arrival_rate / decode
     n = 1.0
     for _ in range(ITERATIONS):

@@ -218,7 +218,7 @@ class Simulation:
             return
         decode = self.workers[route.decode_id]
         num_prompt = len(run.request.prompt_ids)
-        seq = decode.new_sequence(run.key, ids, num_prompt)
+        seq = decode.new_sequence(run.key, ids, num_prompt, run.request.output_len)
         if route.prefill_id is not None and not self._reserve(decode, seq):
             # The coordinator counts the route before its reserve call and undoes it on a
             # refusal; nothing happens in between here, so a refused route is never counted.
@@ -239,7 +239,7 @@ class Simulation:
             self._wake(decode)
             return
         prefill = self.workers[route.prefill_id]
-        pseq = prefill.new_sequence(run.key, ids, num_prompt)
+        pseq = prefill.new_sequence(run.key, ids, num_prompt, run.request.output_len)
         prefill.scheduler.add(pseq)
         self._hold(run, route, decode_seq=seq, prefill_seq=pseq)
         self._wake(prefill)

@@ -20,11 +20,14 @@ class EngineLimits:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     enable_prefix_caching: bool = True
+    decode_headroom_tokens: int = 256
 
     def __post_init__(self) -> None:
         for name in ("num_blocks", "block_size", "max_num_seqs", "max_num_batched_tokens"):
             if getattr(self, name) < 1:
                 raise SimulationError(f"{name} must be at least 1")
+        if self.decode_headroom_tokens < 0:
+            raise SimulationError("decode_headroom_tokens must be at least 0")
 
 
 @dataclass(frozen=True)

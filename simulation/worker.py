@@ -11,13 +11,13 @@ from collections.abc import Sequence as Sequence_
 from dataclasses import dataclass, field
 
 from engine.block_manager import BlockManager
-from engine.scheduler import Scheduler, SchedulerConfig
+from engine.scheduler import Scheduler, SchedulerConfig, fits_with_headroom
 from engine.sequence import Sequence
 from protocol.sampling import FinishReason, SamplingParams
 from simulation.deployment import EngineLimits
 from simulation.leap import Leap
 
-PARAMS = SamplingParams(max_tokens=1 << 30)  # the simulator ends requests itself
+_PARAMS: dict[int, SamplingParams] = {}  # by max_tokens (the simulator ends requests itself)
 
 
 @dataclass
@@ -48,19 +48,29 @@ class SimWorker:
             SchedulerConfig(lim.max_num_seqs, lim.max_num_batched_tokens), self.blocks
         )
 
-    def new_sequence(self, key: str, token_ids: Sequence_[int], num_prompt: int) -> Sequence:
+    def new_sequence(
+        self, key: str, token_ids: Sequence_[int], num_prompt: int, max_tokens: int
+    ) -> Sequence:
+        """`max_tokens`: the request's output length (as the client asks it, ignoring EOS)."""
         ids = token_ids.copy() if hasattr(token_ids, "copy") else list(token_ids)
-        return Sequence(key, ids, num_prompt, PARAMS)  # type: ignore[arg-type]
+        params = _PARAMS.get(max_tokens) or _PARAMS.setdefault(
+            max_tokens, SamplingParams(max_tokens=max_tokens)
+        )
+        return Sequence(key, ids, num_prompt, params)  # type: ignore[arg-type]
 
     def has_room(self) -> bool:
         """`LLMEngine.has_room`: running plus promised stay under max_num_seqs."""
         return len(self.scheduler.running) + len(self.reserved) < self.limits.max_num_seqs
 
     def reserve(self, seq: Sequence) -> bool:
-        """`LLMEngine.reserve`: blocks for every token, prefix hits taken; False if no room."""
+        """`LLMEngine.reserve`: blocks for every token, prefix hits taken, growth room left for
+        all; False if no room."""
         if not self.has_room():
             return False
         hits = self.blocks.match_prefix(seq.token_ids)
+        held = (*self.scheduler.running, *self.reserved.values())
+        if not fits_with_headroom(self.blocks, held, seq, hits, self.limits.decode_headroom_tokens):
+            return False
         table = self.blocks.allocate_prefix(hits, seq.num_tokens)
         if table is None:
             return False

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from engine.block_manager import BlockManager
-from engine.scheduler import Scheduler, SchedulerConfig, StepPlan
+from engine.scheduler import Scheduler, SchedulerConfig, StepPlan, fits_with_headroom
 from engine.sequence import Sequence, SequenceStatus
 from protocol.sampling import FinishReason, SamplingParams
 
@@ -109,3 +109,36 @@ def test_finish_and_abort_free_every_block() -> None:
     s.finish(a, FinishReason.ABORT)
     s.finish(b, FinishReason.STOP)
     assert s.blocks.num_free_blocks == 8 and s.num_unfinished == 0
+
+
+def test_transferred_kv_fits_only_with_growth_room_for_every_request_held() -> None:
+    blocks = BlockManager(10, BS)
+    running = Sequence("a", list(range(10)), 10, SamplingParams(max_tokens=100))
+    running.block_table = blocks.allocate(3)  # 10 tokens in 3 blocks; 7 blocks free
+    new = Sequence("b", list(range(50, 58)), 8, SamplingParams(max_tokens=100))
+    # 8 tokens of growth: a needs 5 - 3 = 2 more blocks, b 4 (its 2 + 2): 6 of the 7 free
+    assert fits_with_headroom(blocks, [running], new, [], 8)
+    # 16: a needs 7 - 3 = 4, b 6: 10 > 7
+    assert not fits_with_headroom(blocks, [running], new, [], 16)
+    assert fits_with_headroom(blocks, [running], new, [], 0)  # the prompt alone: 2 blocks
+    # near max_tokens a request grows only to it: b may add 4 tokens (3 blocks), a 1 (3 blocks)
+    short_b = Sequence("b", list(range(50, 58)), 8, SamplingParams(max_tokens=4))
+    done_a = Sequence("a", list(range(10)), 9, SamplingParams(max_tokens=1))
+    done_a.block_table = running.block_table
+    assert fits_with_headroom(blocks, [done_a], short_b, [], 16)
+
+
+def test_cached_prefix_blocks_count_as_taken_only_when_evictable() -> None:
+    blocks = BlockManager(4, BS)
+    owner = seq("a", 8)
+    owner.block_table = blocks.allocate(2)
+    blocks.cache_full_blocks(owner.block_table, owner.token_ids, 0, 2)
+    hits = blocks.match_prefix(owner.token_ids)
+    twin = Sequence("b", list(owner.token_ids), 8, SamplingParams(max_tokens=4))
+    # held by a: reusing them costs nothing; 4 tokens of growth for b take 1 of the 2 free
+    assert fits_with_headroom(blocks, [], twin, hits, 4)
+    blocks.free_blocks(owner.block_table)  # now evictable: counted free, but b takes them
+    assert blocks.num_free_blocks == 4
+    assert fits_with_headroom(blocks, [], twin, hits, 4)  # 2 taken + 1 new <= 4
+    longer = Sequence("c", list(owner.token_ids), 8, SamplingParams(max_tokens=100))
+    assert not fits_with_headroom(blocks, [], longer, hits, 12)  # 2 taken + 3 new > 4

@@ -126,6 +126,8 @@ def test_the_kv_cache_caps_the_requests_a_decode_worker_runs():
     capped = predict(MODEL, CONFIG, obs(0, 1, 1, 3.0, decode_kv_tokens=1000), 1, 1)
     assert capped.decode_per_worker == 3 and capped.itl_s == math.inf  # it cannot keep up
     assert predict(MODEL, CONFIG, obs(0, 1, 3, 3.0, decode_kv_tokens=1000), 1, 3).within(CONFIG)
+    roomier = replace(CONFIG, decode_headroom_tokens=32)  # 332 + 32 tokens each: 2 fit
+    assert predict(MODEL, roomier, obs(0, 1, 1, 3.0, decode_kv_tokens=1000), 1, 1)[3] == 2
 
 
 def test_a_rising_rate_is_planned_for_a_worker_start_ahead_and_never_shrunk_on():

@@ -5,6 +5,7 @@ and nothing left held in any worker's KV pool at the end."""
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import pytest
 
@@ -251,3 +252,24 @@ def test_requests_waiting_for_decode_room_are_placed_in_arrival_order():
     assert len(waited) > 5  # (most of them did wait)
     assert len(sim.room) == 0
     assert_nothing_held(sim)
+
+
+def test_decode_headroom_keeps_long_outputs_from_preempting():
+    """Long outputs on a small decode pool: admitting on the prompt's blocks alone fills the
+    pool and preempts (recomputing whole prompts on the decode worker); with growth room kept
+    per request, none is preempted and all finish sooner at the tail."""
+    load = LoadConfig(request_rate=20.0, seed=3)
+    requests = synthetic_requests(DatasetConfig(RandomSpec(200, 160), 30, seed=3), load)
+    results = {}
+    for headroom in (0, 256):
+        base = scenario(1, 1, num_blocks=80)
+        engine = replace(base.deployment.engine, decode_headroom_tokens=headroom)
+        sim = Simulation(
+            replace(base, deployment=replace(base.deployment, engine=engine)), requests, load
+        )
+        outcome = sim.run()
+        assert all(r.error is None and r.num_output == 160 for r in outcome.runs)
+        assert_nothing_held(sim)
+        preempted = sum(r.decode_seq.num_preemptions for r in outcome.runs)
+        results[headroom] = (preempted, outcome.duration_s)
+    assert results[0][0] > 0 and results[256][0] == 0
