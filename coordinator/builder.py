@@ -179,6 +179,7 @@ def planner_setup(
         max_num_batched_tokens=engine.max_num_batched_tokens,
         lead_s=PLANNER_LEAD_S,
         decode_headroom_tokens=engine.decode_headroom_tokens,
+        percentile=targets.percentile,
     )
     return PlannerSetup(
         Planner(model, config),

@@ -273,6 +273,9 @@ class Coordinator:
         sizes = [s.num_total_blocks for w, s in self._stats.items() if w in self.decode]
         return min((n for n in sizes if n), default=0) * self.router.block_size
 
+    def waiting_for_room(self) -> int:
+        return len(self.room)
+
     def steps_since(self, since: float) -> list[StepRecord]:
         return self.telemetry.steps_since(since)
 

@@ -54,6 +54,9 @@ class PoolControl(Protocol):
     def decode_kv_tokens(self) -> int:
         """The KV cache of the smallest decode worker, in tokens (0 before any report)."""
 
+    def waiting_for_room(self) -> int:
+        """Requests in line for a decode worker with room."""
+
     def steps_since(self, since: float) -> list[StepRecord]:
         """Engine steps (of every worker) that ended after `since` (time.time())."""
 
@@ -194,6 +197,7 @@ class PlannerLoop:
             starting_workers=prefill[1] + decode[1],
             rate_trend=seen.rate_trend,
             decode_kv_tokens=self.pools.decode_kv_tokens(),
+            waiting_for_room=self.pools.waiting_for_room(),
         )
 
     # -- acting ----------------------------------------------------------------------------

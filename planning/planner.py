@@ -6,8 +6,11 @@ carries out the `Decision` it returns.
 
 Prediction, queue included (`predict`), from the per-step cost model:
 - prefill: a prompt of the mean length takes t_p seconds on a prefill worker; P workers serve
-  utilisation rho = rate x t_p / P; TTFT = the backlog already queued (tokens x seconds per
-  token / P) + t_p / (1 - rho) (an M/M/1 wait per worker), infinite at rho >= 1;
+  utilisation rho = rate x t_p / P; TTFT (at the SLO's percentile) = the backlog already queued
+  (tokens x seconds per token / P) + that percentile of the wait for one of P servers (M/M/c,
+  halved: prefills of like prompts take like times) + t_p, infinite at rho >= 1; plus, while
+  requests wait in line for decode room, that line over the rate requests finish on a full
+  decode pool;
 - decode: with n requests per decode worker a step takes step(n) (n decodes of mean context),
   and Little's law ties them: n = rate / D x output_len x step(n); solved by iteration, capped
   at max_num_seqs and at the requests of mean context (plus the growth room the worker keeps for
@@ -17,18 +20,19 @@ Prediction, queue included (`predict`), from the per-step cost model:
   sees a clear upward trend: a worker asked for now serves the load of then.
 
 Decisions, in order of cost, at most one per tick:
-1. the SLO is threatened (predicted or observed TTFT/ITL over its limit): switch workers to
-   the other pool when some split of the same workers meets the SLO (when only the observation
-   is over, the model finding the layout now fine, only to a split scoring clearly better:
-   latency observed now may be the backlog of a past peak, which a switch does not clear);
+1. the SLO is threatened (predicted or observed TTFT/ITL over its limit): if predicted, switch
+   as few workers as will do to the other pool when some split of the same workers meets the
+   SLO (an observed-only violation switches nothing: latency observed now may be the backlog of
+   a past peak, which a switch does not clear but does restart the requests it moves);
 2. no split does: grow, asking for the whole deficit at once (the smallest worker count up to
-   `max_workers` whose best split meets it); none does up to the cap: move to the layout of
-   `max_workers` with the most capacity (the highest rate it serves within the SLO, which
-   depends on the lengths, not on the backlog of the moment) if it serves `ROOMIER` times more
-   than the layout now and was not left within `flap_window_s`, else report it infeasible;
-   never grow past the cap;
-3. all is well, the rate is not rising, and one worker fewer would still meet the SLO with
-   margin (its load re-predicted on the survivors) for `shrink_hold_s`: shrink by one.
+   `max_workers` with a layout adding to each pool that meets it); none does up to the cap:
+   move to the layout of `max_workers` (adding to each pool; at the cap, any split) with the
+   most capacity (the highest rate it serves within the SLO, which depends on the lengths, not
+   on the backlog of the moment) if it serves `ROOMIER` times more than the layout now and was
+   not left within `flap_window_s`, else report it infeasible; never grow past the cap;
+3. all is well, the rate is not rising, and one worker fewer (from either pool) would still meet
+   the SLO with margin (its load re-predicted on the survivors) for `shrink_hold_s`: shrink by
+   one.
 Stability: a cool-down after each action; a layout left less than `flap_window_s` ago is never
 returned to (no A -> B -> A); shrinking needs the wide margin `shrink_at`, growing only the
 limit, so a constant load settles and stays.
@@ -44,7 +48,7 @@ from typing import NamedTuple
 from planning.cost_model import CostModel, StepShape
 
 ITERATIONS = 40
-BETTER = 0.8  # a violation the model does not predict: switch only for this much better a score
+NEAR_CONSTANT = 0.5  # M/D/c waits are about half M/M/c's
 ROOMIER = 1.1  # an infeasible SLO: move only to a layout serving this much more (capacity ratio)
 CAPACITY_STEPS = 16  # bisections of the rate a layout serves within the SLO
 CAPACITY_CACHE = 1024  # capacities kept, by layout and whole-token mean lengths
@@ -65,6 +69,7 @@ class PlannerConfig:
     shrink_at: float = 0.6  # shrink only if the smaller layout predicts <= this x the SLO
     lead_s: float = 0.0  # a rising rate is predicted this far ahead (a new worker's start)
     decode_headroom_tokens: int = 0  # growth room a decode worker keeps per request (engine)
+    percentile: float = 99.0  # of TTFT and ITL, as the SLO states them
 
 
 class Observation(NamedTuple):
@@ -80,6 +85,7 @@ class Observation(NamedTuple):
     starting_workers: int = 0  # asked for (counted in the pools above), not serving yet
     rate_trend: float = 0.0  # requests per second, per second (LoadWindow.trend)
     decode_kv_tokens: int = 0  # the KV cache of a decode worker (the smallest), 0: unknown
+    waiting_for_room: int = 0  # requests in line for decode room (coordinator/room.py)
 
 
 class Prediction(NamedTuple):
@@ -117,7 +123,8 @@ def predict(
     t_prefill = steps * model.predict(StepShape(int(chunk), int(chunk * prompt), 0, 0))
     rho = obs.arrival_rate * t_prefill / max(prefill, 1)
     backlog = obs.queued_prefill_tokens * t_prefill / prompt / max(prefill, 1)
-    ttft = math.inf if rho >= 1 else backlog + t_prefill / (1 - rho)
+    wait = queue_wait(obs.arrival_rate, t_prefill, max(prefill, 1), config.percentile / 100)
+    ttft = backlog + wait + t_prefill
     context = prompt + output / 2
     cap = config.max_num_seqs
     if obs.decode_kv_tokens:
@@ -133,7 +140,28 @@ def predict(
     itl = step if keeps_up else math.inf
     if not keeps_up:
         ttft = math.inf  # admission waits behind a decode pool that falls behind
+    elif obs.waiting_for_room:  # the line for decode room drains as requests finish there
+        full_step = model.predict(StepShape(0, 0, cap, round(cap * context)))
+        finishing = decode * cap / (output * full_step)  # requests per second, pool full
+        ttft += obs.waiting_for_room / finishing
     return Prediction(ttft, itl, rho, n)
+
+
+def queue_wait(rate: float, service_s: float, servers: int, quantile: float) -> float:
+    """The `quantile` of the wait for one of `servers` equal servers (M/M/c: P(wait > t) =
+    C e^-(c mu - lambda) t, C from Erlang's formula), halved for service times that hardly vary
+    (prefills of like prompts); infinite at or past saturation."""
+    offered = rate * service_s
+    if offered >= servers:
+        return math.inf
+    blocked = 1.0  # Erlang B, built up one server at a time (stable for any c)
+    for k in range(1, servers + 1):
+        blocked = offered * blocked / (k + offered * blocked)
+    waits = blocked / (1 - offered / servers * (1 - blocked))  # Erlang C: P(wait > 0)
+    tail = 1.0 - quantile
+    if waits <= tail:
+        return 0.0
+    return NEAR_CONSTANT * math.log(waits / tail) / (servers / service_s - rate)
 
 
 @dataclass
@@ -182,21 +210,24 @@ class Planner:
         if threatened:
             self._shrinkable_since = None
             why = f"SLO {'observed' if violated else 'predicted'} over its limit"
-            same = self._best_split(obs, total)
-            if (
-                same is not None
-                and same[0] != now_layout
-                and (not current.within(cfg) or same[1].score(cfg) < BETTER * current.score(cfg))
-            ):
-                reason = f"{why}; another split of the same {total} workers meets it"
-                return decision("switch", same[0], reason, same[1])
+            if not current.within(cfg):  # (an observed-only violation may be a past backlog)
+                same = self._best(obs, self._splits(now_layout, total), moved=True)
+                if same is not None:
+                    reason = f"{why}; another split of the same {total} workers meets it"
+                    return decision("switch", same[0], reason, same[1])
             for workers in range(total + 1, cfg.max_workers + 1):
-                grown = self._best_split(obs, workers)
+                grown = self._best(obs, self._grown(now_layout, workers))
                 if grown is not None:
                     reason = f"{why}; no split of {total} workers meets it, {workers} do"
                     return decision("grow", grown[0], reason, grown[1])
             none_meets = f"no layout of up to {cfg.max_workers} workers meets it"
-            roomiest = self._roomiest(obs, cfg.max_workers)
+            capped = cfg.max_workers
+            layouts = (
+                self._splits(now_layout, capped)
+                if total >= capped
+                else self._grown(now_layout, capped)
+            )
+            roomiest = self._roomiest(obs, layouts)
             if roomiest is not None:
                 layout, room = roomiest
                 if room > ROOMIER * self.capacity(obs, now_layout):
@@ -210,7 +241,9 @@ class Planner:
             reason = f"{why}; {none_meets}: not growing"
             return decision("infeasible", now_layout, reason, current)
         if total > cfg.min_workers and obs.rate_trend <= 0:
-            smaller = self._best_split(obs, total - 1, factor=cfg.shrink_at)
+            p, d = now_layout
+            fewer = [layout for layout in ((p - 1, d), (p, d - 1)) if min(layout) >= 1]
+            smaller = self._best(obs, fewer, factor=cfg.shrink_at)
             if smaller is not None:
                 if self._shrinkable_since is None:
                     self._shrinkable_since = obs.at
@@ -255,38 +288,51 @@ class Planner:
             low, high = (middle, high) if meets(middle) else (low, middle)
         return low
 
-    def _roomiest(self, obs: Observation, workers: int) -> tuple[tuple[int, int], float] | None:
-        """The split of `workers` with the most capacity, among those not left recently."""
-        options = []
-        for prefill in range(1, workers):
-            layout = (prefill, workers - prefill)
-            left = self._left.get(layout)
-            if left is not None and obs.at - left < self.config.flap_window_s:
-                continue
-            options.append((self.capacity(obs, layout), layout))
+    def _roomiest(
+        self, obs: Observation, layouts: list[tuple[int, int]]
+    ) -> tuple[tuple[int, int], float] | None:
+        """The layout with the most capacity, among those not left recently."""
+        options = [(self.capacity(obs, layout), layout) for layout in self._fresh(obs, layouts)]
         if not options:
             return None
         room, layout = max(options, key=lambda option: (option[0], -option[1][0]))
         return layout, room
 
-    def _best_split(
-        self, obs: Observation, workers: int, factor: float = 1.0
+    @staticmethod
+    def _splits(now: tuple[int, int], workers: int) -> list[tuple[int, int]]:
+        """Every split of `workers` but the layout now."""
+        return [(p, workers - p) for p in range(1, workers) if (p, workers - p) != now]
+
+    @staticmethod
+    def _grown(now: tuple[int, int], workers: int) -> list[tuple[int, int]]:
+        """Splits of `workers` that only add to each pool (no worker changes role)."""
+        p, d = now
+        return [(q, workers - q) for q in range(max(p, 1), workers - max(d, 1) + 1)]
+
+    def _fresh(self, obs: Observation, layouts: list[tuple[int, int]]) -> list[tuple[int, int]]:
+        """The layouts not left within `flap_window_s` (no A -> B -> A)."""
+        window = self.config.flap_window_s
+        return [x for x in layouts if obs.at - self._left.get(x, -math.inf) >= window]
+
+    def _best(
+        self,
+        obs: Observation,
+        layouts: list[tuple[int, int]],
+        factor: float = 1.0,
+        moved: bool = False,
     ) -> tuple[tuple[int, int], Prediction] | None:
-        """The split of `workers` with the best score among those meeting the SLO x `factor`
-        and not left within `flap_window_s`."""
+        """Of the fresh `layouts` meeting the SLO x `factor`, the best score; with `moved`, the
+        fewest workers switching pools first (each switch restarts the requests it holds)."""
+        now = obs.prefill_workers
         options = []
-        for prefill in range(1, workers):
-            layout = (prefill, workers - prefill)
-            left = self._left.get(layout)
-            if left is not None and obs.at - left < self.config.flap_window_s:
-                continue
+        for layout in self._fresh(obs, layouts):
             pred = predict(self.model, self.config, obs, *layout)
-            if not pred.within(self.config, factor):
-                continue
-            options.append((pred.score(self.config), layout, pred))
+            if pred.within(self.config, factor):
+                moves = abs(layout[0] - now) if moved else 0
+                options.append((moves, pred.score(self.config), layout, pred))
         if not options:
             return None
-        _, layout, pred = min(options)
+        *_, layout, pred = min(options)
         return layout, pred
 
 

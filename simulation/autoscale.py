@@ -62,6 +62,7 @@ class PlannerDriver:
             observed_itl_s=seen.itl_s,
             starting_workers=sum(pending.values()),
             rate_trend=seen.rate_trend,
+            waiting_for_room=len(sim.room),
             decode_kv_tokens=min((w.blocks.num_blocks for w in sim.serving("decode")), default=0)
             * sim.router.block_size,
         )

@@ -60,6 +60,9 @@ class FakePools:
     def decode_kv_tokens(self) -> int:
         return 0
 
+    def waiting_for_room(self) -> int:
+        return 0
+
     def steps_since(self, since: float) -> list[StepRecord]:
         return [s for s in self.steps if s.end > since]
 

@@ -11,9 +11,11 @@ import math
 from dataclasses import replace
 from pathlib import Path
 
+import pytest
+
 from loadtest.config import LoadConfig
 from planning.cost_model import StepCostModel
-from planning.planner import Observation, Planner, PlannerConfig, predict
+from planning.planner import Observation, Planner, PlannerConfig, predict, queue_wait
 from simulation.autoscale import PlannerDriver
 from simulation.cluster import Simulation
 from simulation.deployment import Costs, Deployment, EngineLimits, Overheads, Scenario
@@ -189,3 +191,43 @@ def test_a_constant_load_settles_without_flapping():
     layouts = [(d.prefill_workers, d.decode_workers) for d in actions]
     for i in range(len(layouts) - 2):  # never A -> B -> A within 10 minutes
         assert layouts[i + 2] != layouts[i] or actions[i + 2].at - actions[i].at > 600
+
+
+def test_the_prefill_wait_is_a_percentile_of_a_pooled_queue():
+    assert queue_wait(0.0, 0.5, 4, 0.99) == 0.0
+    assert queue_wait(8.0, 0.5, 4, 0.99) == math.inf  # saturated
+    # one server: P(wait > 0) = rho, P(wait > t) = rho e^-(mu - lambda) t, halved
+    rho, service = 0.8, 0.5
+    expected = 0.5 * math.log(rho / 0.01) / (1 / service - rho / service)
+    assert queue_wait(rho / service, service, 1, 0.99) == pytest.approx(expected)
+    # the same load per server waits less in a larger pool, and more at a higher percentile
+    assert queue_wait(8 * 1.6, 0.5, 8, 0.99) < queue_wait(1.6, 0.5, 1, 0.99)
+    assert queue_wait(1.6, 0.5, 1, 0.5) < queue_wait(1.6, 0.5, 1, 0.99)
+
+
+def test_requests_in_line_for_decode_room_count_in_the_ttft():
+    idle = predict(MODEL, CONFIG, obs(0, 1, 1, 1.0, decode_kv_tokens=4000), 1, 1)
+    lined = predict(
+        MODEL, CONFIG, obs(0, 1, 1, 1.0, decode_kv_tokens=4000, waiting_for_room=20), 1, 1
+    )
+    assert lined.ttft_s > idle.ttft_s + 1.0 and lined.itl_s == idle.itl_s
+
+
+def test_moves_are_small_shrink_one_grow_only_adds_switch_fewest():
+    planner = Planner(MODEL, replace(CONFIG, max_workers=8, shrink_hold_s=0))
+    shrink = planner.decide(obs(0, 3, 3, 0.2))
+    assert shrink.action == "shrink"
+    assert sorted((shrink.prefill_workers, shrink.decode_workers)) == [2, 3]
+    grow = Planner(MODEL, replace(CONFIG, max_workers=8)).decide(obs(0, 2, 1, 10.0))
+    assert grow.action == "grow" and grow.prefill_workers >= 2 and grow.decode_workers >= 1
+    switch = Planner(MODEL, replace(CONFIG, max_workers=6)).decide(
+        obs(0, 1, 5, 5.0, prompt=600, output=16)
+    )
+    assert switch.action == "switch"
+    needed = min(
+        p for p in range(1, 6)
+        if predict(MODEL, CONFIG, obs(0, p, 6 - p, 5.0, prompt=600, output=16), p, 6 - p).within(
+            CONFIG
+        )
+    )  # fmt: skip
+    assert switch.prefill_workers == needed  # as few switched as will do
