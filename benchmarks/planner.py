@@ -14,6 +14,9 @@ timed by a cost model):
   outputs; the planner's goodput as a share of the offered load, and the simulator's speed
   (simulated seconds per wall second).
 Goodput: requests per second meeting both objectives (TTFT, and TPOT within the ITL limit).
+Every deployment's coordinator knows the TTFT objective (`tandem serve --planner-slo` passes it
+on): a request waiting for decode room past it is late, and the line serves the newest first
+while its oldest is late (coordinator/room.py).
 """
 
 from __future__ import annotations
@@ -179,9 +182,11 @@ def small(args: argparse.Namespace) -> dict:
         rows = {}
         limits = EngineLimits(2912)
         for layout in [(0, 4), (1, 3), (2, 2), (3, 1)]:
-            sc = Scenario(Deployment(*layout, limits), Costs(step), overheads)
+            deployment = Deployment(*layout, limits, late_after_s=cfg.ttft_slo_s)
+            sc = Scenario(deployment, Costs(step), overheads)
             rows[sc.deployment.describe()] = run(sc, requests, slo)
-        sc = Scenario(Deployment(1, 1, limits), Costs(step), overheads)
+        start = Deployment(1, 1, limits, late_after_s=cfg.ttft_slo_s)
+        sc = Scenario(start, Costs(step), overheads)
         rows["planner (from 1P1D)"] = run(sc, requests, slo, cfg)
         results[name] = rows
         print(f"small/{name}:", file=sys.stderr, flush=True)
@@ -213,7 +218,7 @@ def large(args: argparse.Namespace) -> dict:
     )
     limits = EngineLimits(60000, 16, 256, 8192)
     overheads = Overheads(worker_start=120.0, role_switch=5.0, step_gap=0.001)
-    start = Deployment(4, 4, limits, gpus_per_worker=8)
+    start = Deployment(4, 4, limits, gpus_per_worker=8, late_after_s=cfg.ttft_slo_s)
     sc = Scenario(start, Costs(step, transfer, kv), overheads)
     result = run(sc, requests, slo, cfg, window=period / 10)
     result["goodput_share"] = result["goodput"] / result["offered"]

@@ -69,6 +69,9 @@ class CoordinatorConfig:
     prefill_base_timeout: float = 30.0  # queueing + prefill + transfer of one request ...
     prefill_seconds_per_token: float = 0.02  # ... plus this per prompt token
     capacity_wait: float = 60.0  # how long a request may wait for decode KV blocks
+    # Waiting for decode room longer than this, a request is late (the TTFT objective, if any):
+    # while the oldest waiter is, the newest is served first (coordinator/room.py).
+    late_after_s: float | None = None
     placement_timeout: float = 30.0  # Ray must have placed every first worker by then
     update_host: str = "127.0.0.1"  # where decode workers reach this process (update streams)
     supervision: SupervisorConfig = SupervisorConfig()
@@ -114,7 +117,8 @@ class Coordinator:
             config.routing,
             config.route_costs,
         )
-        self.room = RoomQueue()  # requests waiting for a decode worker with room
+        # requests waiting for a decode worker with room (newest first while the oldest is late)
+        self.room = RoomQueue(time.monotonic, config.late_after_s)
         self.supervisor = Supervisor(
             spawn,
             config.supervision,
@@ -295,7 +299,7 @@ class Coordinator:
         self.check_request(prompt_ids, params)
         request_id = request_id or f"req-{next(self._ids)}"
         request = TrackedRequest(request_id, list(prompt_ids), params, self.tokenizer)
-        arrived, first = time.monotonic(), None
+        arrived, first = request.arrived_at, None
         self.window.arrived(arrived, len(prompt_ids))
         driver = asyncio.create_task(self._drive(request))
         try:
@@ -402,8 +406,8 @@ class Coordinator:
         deadline = time.monotonic() + self.config.capacity_wait
         hashes = prefix_hashes(work.token_ids, self.router.block_size)  # once, not per try
         queued = False  # has it waited in line (a woken waiter passes the turn on once in)
-        if len(self.room):  # others were refused before it: it waits behind them
-            await self._wait_for_room(deadline, front=False)
+        if len(self.room):  # others were refused before it: it waits in line with them
+            await self._wait_for_room(deadline, request.arrived_at)
             queued = True
         while True:
             local = request.corrupt_transfers >= MAX_CORRUPT_TRANSFERS
@@ -436,10 +440,10 @@ class Coordinator:
                 continue
             if time.monotonic() > deadline:  # every decode worker stayed full
                 raise EngineDeadError("no decode worker had room for the request in time")
-            await self._wait_for_room(deadline, front=True)
+            await self._wait_for_room(deadline, request.arrived_at)
             queued = True
 
-    async def _wait_for_room(self, deadline: float, front: bool) -> None:
+    async def _wait_for_room(self, deadline: float, arrived: float) -> None:
         """Until `freed` wakes this waiter (at the latest, the next stats poll's) or the
         deadline comes."""
         woken = asyncio.get_running_loop().create_future()
@@ -448,7 +452,7 @@ class Coordinator:
             if not woken.done():
                 woken.set_result(None)
 
-        self.room.wait(wake, front)
+        self.room.wait(wake, arrived)
         try:
             await asyncio.wait_for(asyncio.shield(woken), max(0.0, deadline - time.monotonic()))
         except TimeoutError:

@@ -25,6 +25,7 @@ class TrackedRequest:
         self.request_id = request_id
         self.prompt_ids = prompt_ids
         self.params = params
+        self.arrived_at = time.monotonic()
         self.frontend = RequestState(request_id, prompt_ids, params, tokenizer)
         self.output_ids: list[int] = []
         self.stream: asyncio.Queue[RequestOutput | StreamFailed] = asyncio.Queue()

@@ -136,7 +136,8 @@ class Simulation:
         # order that changes from one process to the next).
         self._holders: dict[str, dict[Run, None]] = {w: {} for w in self.workers}
         self._waiting_to_send: deque[Run] = deque()
-        self.room = RoomQueue()  # requests waiting for a decode worker with room
+        # requests waiting for a decode worker with room, as in the coordinator
+        self.room = RoomQueue(lambda: self.now, dep.late_after_s)
         self.sent: deque[tuple[float, int, int]] = deque()  # (when, prompt, output), for planners
         self.finished: deque[Run] = deque()  # in finishing order, for planners
         self._in_flight = 0
@@ -204,10 +205,10 @@ class Simulation:
         waits its turn in `self.room` (coordinator/room.py), woken when room may have freed;
         `queued`: it was woken there (placed, it passes the turn on)."""
         if not queued and len(self.room):  # others wait for room first
-            self._wait_for_room(run, front=False)
+            self._wait_for_room(run)
             return
         if self._no_decode_room(run):  # what routing would find, without routing
-            self._wait_for_room(run, front=True)
+            self._wait_for_room(run)
             return
         ids = run.token_ids()
         try:
@@ -226,7 +227,7 @@ class Simulation:
             if self.router.may_have_room():
                 self._place(run, queued)
             else:
-                self._wait_for_room(run, front=True)
+                self._wait_for_room(run)
             return
         if queued:
             self.room.freed()  # there may be room for the next in line too
@@ -244,8 +245,9 @@ class Simulation:
         self._hold(run, route, decode_seq=seq, prefill_seq=pseq)
         self._wake(prefill)
 
-    def _wait_for_room(self, run: Run, front: bool) -> None:
-        self.room.wait(lambda: self.at(self.now, self._place, run, True), front)
+    def _wait_for_room(self, run: Run) -> None:
+        assert run.sent_at is not None
+        self.room.wait(lambda: self.at(self.now, self._place, run, True), run.sent_at)
 
     def _no_decode_room(self, run: Run) -> bool:
         """Every decode worker has all its sequence slots taken, or fewer free blocks than the

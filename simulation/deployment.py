@@ -42,6 +42,7 @@ class Deployment:
     local_threshold: int = 0  # "load" routing: prompts this short (uncached) prefill on decode
     route_costs: RouteCosts = RouteCosts()
     gpus_per_worker: int = 1  # tensor parallel ranks: what a worker costs
+    late_after_s: float | None = None  # the coordinator's (the TTFT objective): see room.py
 
     def __post_init__(self) -> None:
         if self.prefill_workers < 0 or self.decode_workers < 1:
