@@ -273,3 +273,21 @@ def test_decode_headroom_keeps_long_outputs_from_preempting():
         preempted = sum(r.decode_seq.num_preemptions for r in outcome.runs)
         results[headroom] = (preempted, outcome.duration_s)
     assert results[0][0] > 0 and results[256][0] == 0
+
+
+def test_under_overload_late_waiters_let_newer_requests_be_on_time():
+    """A burst beyond the decode pool's room: first come first served makes nearly everyone
+    late once the line is long; newest-first while the oldest is late keeps more on time (the
+    late ones still finish)."""
+    load = LoadConfig(request_rate=30.0, seed=4)
+    requests = synthetic_requests(DatasetConfig(RandomSpec(200, 96), 60, seed=4), load)
+    on_time = {}
+    for late_after in (None, 0.5):
+        base = scenario(1, 1, num_blocks=120)
+        deployment = replace(base.deployment, late_after_s=late_after)
+        sim = Simulation(replace(base, deployment=deployment), requests, load)
+        outcome = sim.run()
+        assert all(r.error is None and r.num_output == 96 for r in outcome.runs)
+        assert_nothing_held(sim)
+        on_time[late_after] = sum(r.first_token_at - r.sent_at <= 0.5 for r in outcome.runs)
+    assert on_time[0.5] > on_time[None] + 5
