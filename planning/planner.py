@@ -33,9 +33,9 @@ Decisions, in order of cost, at most one per tick:
 3. all is well, the rate is not rising, and one worker fewer (from either pool) would still meet
    the SLO with margin (its load re-predicted on the survivors) for `shrink_hold_s`: shrink by
    one.
-Stability: a cool-down after each action; a layout left less than `flap_window_s` ago is never
-returned to (no A -> B -> A); shrinking needs the wide margin `shrink_at`, growing only the
-limit, so a constant load settles and stays.
+Stability: a cool-down after each action; the layout just left is not returned to within
+`flap_window_s` (no A -> B -> A), and a switch goes to no layout left within it; shrinking needs
+the wide margin `shrink_at`, growing only the limit, so a constant load settles and stays.
 """
 
 from __future__ import annotations
@@ -171,6 +171,7 @@ class Planner:
     log: deque[Decision] = field(default_factory=lambda: deque(maxlen=DECISION_LOG))
     _last_action_at: float = -math.inf
     _left: dict[tuple[int, int], float] = field(default_factory=dict)  # layout -> when left
+    _previous: tuple[int, int] | None = None  # the layout the last action left
     _shrinkable_since: float | None = None
     _capacities: dict[tuple[int, int, int, int], float] = field(default_factory=dict)
 
@@ -195,6 +196,7 @@ class Planner:
             )  # fmt: skip
             if action in ("switch", "grow", "shrink"):
                 self._left[now_layout] = obs.at
+                self._previous = now_layout
                 self._last_action_at = obs.at
                 self._shrinkable_since = None
             if action != "none" or not self.log or self.log[-1].action != "none":
@@ -211,7 +213,7 @@ class Planner:
             self._shrinkable_since = None
             why = f"SLO {'observed' if violated else 'predicted'} over its limit"
             if not current.within(cfg):  # (an observed-only violation may be a past backlog)
-                same = self._best(obs, self._splits(now_layout, total), moved=True)
+                same = self._best(obs, self._splits(now_layout, total), switch=True)
                 if same is not None:
                     reason = f"{why}; another split of the same {total} workers meets it"
                     return decision("switch", same[0], reason, same[1])
@@ -227,7 +229,7 @@ class Planner:
                 if total >= capped
                 else self._grown(now_layout, capped)
             )
-            roomiest = self._roomiest(obs, layouts)
+            roomiest = self._roomiest(obs, layouts, switch=total >= capped)
             if roomiest is not None:
                 layout, room = roomiest
                 if room > ROOMIER * self.capacity(obs, now_layout):
@@ -289,10 +291,11 @@ class Planner:
         return low
 
     def _roomiest(
-        self, obs: Observation, layouts: list[tuple[int, int]]
+        self, obs: Observation, layouts: list[tuple[int, int]], switch: bool
     ) -> tuple[tuple[int, int], float] | None:
-        """The layout with the most capacity, among those not left recently."""
-        options = [(self.capacity(obs, layout), layout) for layout in self._fresh(obs, layouts)]
+        """The fresh layout with the most capacity."""
+        fresh = self._fresh(obs, layouts, switch)
+        options = [(self.capacity(obs, layout), layout) for layout in fresh]
         if not options:
             return None
         room, layout = max(options, key=lambda option: (option[0], -option[1][0]))
@@ -309,26 +312,36 @@ class Planner:
         p, d = now
         return [(q, workers - q) for q in range(max(p, 1), workers - max(d, 1) + 1)]
 
-    def _fresh(self, obs: Observation, layouts: list[tuple[int, int]]) -> list[tuple[int, int]]:
-        """The layouts not left within `flap_window_s` (no A -> B -> A)."""
+    def _fresh(
+        self, obs: Observation, layouts: list[tuple[int, int]], switch: bool
+    ) -> list[tuple[int, int]]:
+        """The layouts one may go to: never back to the layout just left within `flap_window_s`
+        (no A -> B -> A); by a switch, to none left within it (a switch answers the mix of
+        the moment, and switching around would chase it)."""
         window = self.config.flap_window_s
-        return [x for x in layouts if obs.at - self._left.get(x, -math.inf) >= window]
+
+        def recent(layout: tuple[int, int]) -> bool:
+            return obs.at - self._left.get(layout, -math.inf) < window
+
+        if switch:
+            return [x for x in layouts if not recent(x)]
+        return [x for x in layouts if x != self._previous or not recent(x)]
 
     def _best(
         self,
         obs: Observation,
         layouts: list[tuple[int, int]],
         factor: float = 1.0,
-        moved: bool = False,
+        switch: bool = False,
     ) -> tuple[tuple[int, int], Prediction] | None:
-        """Of the fresh `layouts` meeting the SLO x `factor`, the best score; with `moved`, the
+        """Of the fresh `layouts` meeting the SLO x `factor`, the best score; for a `switch`, the
         fewest workers switching pools first (each switch restarts the requests it holds)."""
         now = obs.prefill_workers
         options = []
-        for layout in self._fresh(obs, layouts):
+        for layout in self._fresh(obs, layouts, switch):
             pred = predict(self.model, self.config, obs, *layout)
             if pred.within(self.config, factor):
-                moves = abs(layout[0] - now) if moved else 0
+                moves = abs(layout[0] - now) if switch else 0
                 options.append((moves, pred.score(self.config), layout, pred))
         if not options:
             return None
