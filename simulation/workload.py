@@ -70,7 +70,12 @@ class TokenIds(Sequence[int]):
             start, stop, step = index.indices(self._len)
             if step != 1:
                 return [self._at(i) for i in range(start, stop, step)]
-            split = min(max(self.prefix_len, start), stop)
+            # (A block's slice, once per block hashed: the simulator's most frequent call.)
+            if start >= self.prefix_len:
+                return list(range(self.own_base + start, self.own_base + stop))
+            if stop <= self.prefix_len:
+                return list(range(self.prefix_base + start, self.prefix_base + stop))
+            split = self.prefix_len
             return [*range(self.prefix_base + start, self.prefix_base + split)] + [
                 *range(self.own_base + split, self.own_base + stop)
             ]
