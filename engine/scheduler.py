@@ -30,8 +30,12 @@ def fits_with_headroom(
     sequence `held` here, and itself, room to grow by `tokens` more tokens (fewer when its
     max_tokens is nearer). A decode worker admits transferred KV only so: once full, its only
     way on is preempting a running request, whose whole prompt it must then recompute itself.
+    A worker holding nothing else takes any prompt that fits.
     """
     bs = blocks.block_size
+    held = list(held)
+    if not held:  # alone it can only grow into what is left: waiting would not give it more
+        tokens = 0
     taken = sum(1 for block in hits if blocks.ref_counts[block] == 0)  # evictable, counted free
     need = _grown(seq, tokens, bs) - len(hits) + taken
     for other in held:

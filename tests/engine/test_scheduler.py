@@ -121,6 +121,7 @@ def test_transferred_kv_fits_only_with_growth_room_for_every_request_held() -> N
     # 16: a needs 7 - 3 = 4, b 6: 10 > 7
     assert not fits_with_headroom(blocks, [running], new, [], 16)
     assert fits_with_headroom(blocks, [running], new, [], 0)  # the prompt alone: 2 blocks
+    assert fits_with_headroom(BlockManager(2, BS), [], new, [], 16)  # alone: if it fits, it goes
     # near max_tokens a request grows only to it: b may add 4 tokens (3 blocks), a 1 (3 blocks)
     short_b = Sequence("b", list(range(50, 58)), 8, SamplingParams(max_tokens=4))
     done_a = Sequence("a", list(range(10)), 9, SamplingParams(max_tokens=1))
@@ -129,16 +130,18 @@ def test_transferred_kv_fits_only_with_growth_room_for_every_request_held() -> N
 
 
 def test_cached_prefix_blocks_count_as_taken_only_when_evictable() -> None:
-    blocks = BlockManager(4, BS)
+    blocks = BlockManager(5, BS)
+    done = Sequence("z", [7, 7, 7], 2, SamplingParams(max_tokens=1))  # grows no more
+    done.block_table = blocks.allocate(1)
     owner = seq("a", 8)
     owner.block_table = blocks.allocate(2)
     blocks.cache_full_blocks(owner.block_table, owner.token_ids, 0, 2)
     hits = blocks.match_prefix(owner.token_ids)
     twin = Sequence("b", list(owner.token_ids), 8, SamplingParams(max_tokens=4))
     # held by a: reusing them costs nothing; 4 tokens of growth for b take 1 of the 2 free
-    assert fits_with_headroom(blocks, [], twin, hits, 4)
+    assert fits_with_headroom(blocks, [done], twin, hits, 4)
     blocks.free_blocks(owner.block_table)  # now evictable: counted free, but b takes them
     assert blocks.num_free_blocks == 4
-    assert fits_with_headroom(blocks, [], twin, hits, 4)  # 2 taken + 1 new <= 4
+    assert fits_with_headroom(blocks, [done], twin, hits, 4)  # 2 taken + 1 new <= 4
     longer = Sequence("c", list(owner.token_ids), 8, SamplingParams(max_tokens=100))
-    assert not fits_with_headroom(blocks, [], longer, hits, 12)  # 2 taken + 3 new > 4
+    assert not fits_with_headroom(blocks, [done], longer, hits, 12)  # 2 taken + 3 new > 4
