@@ -84,6 +84,13 @@ def add_deployment_flags(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--no-prefix-caching", action="store_true")
     g.add_argument(
+        "--late-after-ms",
+        type=float,
+        help="the coordinator's TTFT objective (tandem serve takes it from --planner-slo): a "
+        "request waiting for decode room longer is late, and the line serves the newest first "
+        "while its oldest is",
+    )
+    g.add_argument(
         "--decode-headroom-tokens",
         type=int,
         default=default_of(EngineConfig, "decode_headroom_tokens"),
@@ -165,6 +172,7 @@ def scenario_from_args(args: argparse.Namespace) -> Scenario:
             args.routing,
             args.local_prefill_threshold,
             RouteCosts.from_step_model(step),
+            late_after_s=None if args.late_after_ms is None else args.late_after_ms / 1e3,
         )
     except SimulationError as err:
         raise CliError(str(err)) from None

@@ -44,12 +44,30 @@ def test_simulate_colocated_with_a_killed_worker_still_serves(tmp_path, capsys):
     assert record["completed"] == 30 and record["failed"] == 0
 
 
+def test_simulate_late_after_serves_newest_first_under_overload(tmp_path, capsys):
+    """A decode pool with room for a few requests at a time and a burst beyond it: with the
+    TTFT objective given, more requests start within it."""
+    on_time = []
+    for extra in ([], ["--late-after-ms", "500"]):
+        args = ["simulate", "--profile", str(PROFILE), "--prefill-workers", "1",
+                "--decode-workers", "1", "--dataset-name", "random", "--random-input-len", "120",
+                "--random-output-len", "64", "--num-prompts", "60", "--request-rate", "20",
+                "--num-kv-blocks", "60", *extra, "--save-result", "--result-dir",
+                str(tmp_path), "--result-filename", "o.json"]  # fmt: skip
+        assert main(args) == 0
+        record = json.loads((tmp_path / "o.json").read_text())
+        assert record["completed"] == 60
+        on_time.append(sum(t <= 0.5 for t in record["ttfts"]))
+    assert on_time[1] > on_time[0]
+
+
 @pytest.mark.parametrize(
     ("extra", "message"),
     [
         (["--kill", "decode-0"], "WORKER@SECONDS"),
         (["--decode-workers", "0"], "decode workers"),
         (["--routing", "cost", "--num-kv-blocks", "0"], "num_blocks"),
+        (["--decode-headroom-tokens", "-1"], "decode_headroom_tokens"),
     ],
 )
 def test_bad_simulate_input_is_one_line(extra, message, capsys):
