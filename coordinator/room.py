@@ -10,7 +10,8 @@ by when each request arrived:
   stats report) calls `freed`, which wakes one waiter, only it;
 - the woken request tries once: placed, it calls `freed` again to pass the turn on (there may be
   room for more); refused, it takes its place in the line again;
-- a request arriving while others wait joins the line and wakes one.
+- a request arriving while others wait joins the line without trying (room appears only by
+  the events above, each of which wakes someone).
 
 Which waiter: the oldest, unless the oldest has already waited longer than `late_after_s` (the
 TTFT objective, when one is set). Then the line is overloaded and the oldest will miss its
