@@ -50,7 +50,7 @@ from protocol.kv import DTYPE_BYTES
 log = logging.getLogger(__name__)
 LOCAL_LOGICAL_CPUS = 32  # placements a cluster tandem starts itself allows
 WORKER_OVERHEAD_BYTES = 600 * 2**20  # a worker process beyond its weights and KV cache
-PLANNER_LEAD_S = 60.0  # the planner plans a rising load this far ahead: a new GPU worker's start
+PLANNER_LEAD_S = 60.0  # a rising load is planned this far ahead until a worker start is measured
 
 
 def connect_ray(address: str | None, num_cpus: int | None = None) -> None:

@@ -280,6 +280,9 @@ class Coordinator:
     def waiting_for_room(self) -> int:
         return len(self.room)
 
+    def worker_start_s(self) -> float | None:
+        return self.supervisor.last_start_s
+
     def steps_since(self, since: float) -> list[StepRecord]:
         return self.telemetry.steps_since(since)
 

@@ -57,6 +57,9 @@ class PoolControl(Protocol):
     def waiting_for_room(self) -> int:
         """Requests in line for a decode worker with room."""
 
+    def worker_start_s(self) -> float | None:
+        """How long the newest worker took from spawn to serving (None before any)."""
+
     def steps_since(self, since: float) -> list[StepRecord]:
         """Engine steps (of every worker) that ended after `since` (time.time())."""
 
@@ -198,6 +201,7 @@ class PlannerLoop:
             rate_trend=seen.rate_trend,
             decode_kv_tokens=self.pools.decode_kv_tokens(),
             waiting_for_room=self.pools.waiting_for_room(),
+            worker_start_s=self.pools.worker_start_s() or 0.0,
         )
 
     # -- acting ----------------------------------------------------------------------------

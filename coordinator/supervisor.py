@@ -95,6 +95,7 @@ class Supervisor:
         self.pools: dict[str, _PoolRecord] = {}
         self._tasks: set[asyncio.Task] = set()
         self._closed = False
+        self.last_start_s: float | None = None  # spawn -> answering, of the newest worker
 
     # -- membership ------------------------------------------------------------------------
 
@@ -271,7 +272,8 @@ class Supervisor:
         return len(record.recent) < self.config.max_restarts_per_minute
 
     async def _try_start(self, pool: str, record: _PoolRecord, replacing: bool) -> bool:
-        record.recent.append(time.monotonic())
+        began = time.monotonic()
+        record.recent.append(began)
         worker_id, handle = self.spawn(pool)
         entry = WorkerEntry(worker_id, pool, handle, WorkerState.STARTING)
         self.workers[worker_id] = entry
@@ -287,6 +289,7 @@ class Supervisor:
             self._kill(worker_id, handle)
             return True
         entry.state = WorkerState.SERVING
+        self.last_start_s = time.monotonic() - began
         record.restarts += replacing
         record.failed_starts = 0
         log.info("worker %s joined the %s pool", worker_id, pool)

@@ -16,8 +16,8 @@ Prediction, queue included (`predict`), from the per-step cost model:
   at max_num_seqs and at the requests of mean context (plus the growth room the worker keeps for
   each) its KV cache holds. A decode pool
   that cannot keep up even at the cap is infinite ITL.
-- the rate it predicts for is the one `lead_s` ahead (a new worker's start-up) when the window
-  sees a clear upward trend: a worker asked for now serves the load of then.
+- the rate it predicts for is the one a worker start ahead (as last measured, else `lead_s`)
+  when the window sees a clear upward trend: a worker asked for now serves the load of then.
 
 Decisions, in order of cost, at most one per tick:
 1. the SLO is threatened (predicted or observed TTFT/ITL over its limit): if predicted, switch
@@ -67,7 +67,9 @@ class PlannerConfig:
     flap_window_s: float = 600.0
     shrink_hold_s: float = 60.0
     shrink_at: float = 0.6  # shrink only if the smaller layout predicts <= this x the SLO
-    lead_s: float = 0.0  # a rising rate is predicted this far ahead (a new worker's start)
+    # A rising rate is predicted this far ahead: a new worker's start, until one is measured
+    # (Observation.worker_start_s).
+    lead_s: float = 0.0
     decode_headroom_tokens: int = 0  # growth room a decode worker keeps per request (engine)
     percentile: float = 99.0  # of TTFT and ITL, as the SLO states them
 
@@ -86,6 +88,7 @@ class Observation(NamedTuple):
     rate_trend: float = 0.0  # requests per second, per second (LoadWindow.trend)
     decode_kv_tokens: int = 0  # the KV cache of a decode worker (the smallest), 0: unknown
     waiting_for_room: int = 0  # requests in line for decode room (coordinator/room.py)
+    worker_start_s: float = 0.0  # measured spawn -> serving of a new worker (0: not yet)
 
 
 class Prediction(NamedTuple):
@@ -258,10 +261,11 @@ class Planner:
         return decision("none", now_layout, "within the SLO", current)
 
     def ahead(self, obs: Observation) -> Observation:
-        """The observation with the rate expected `lead_s` from now, if it is rising."""
-        if obs.rate_trend <= 0 or not self.config.lead_s:
+        """The observation with the rate expected a worker start from now, if it is rising."""
+        lead = obs.worker_start_s or self.config.lead_s
+        if obs.rate_trend <= 0 or not lead:
             return obs
-        return obs._replace(arrival_rate=obs.arrival_rate + obs.rate_trend * self.config.lead_s)
+        return obs._replace(arrival_rate=obs.arrival_rate + obs.rate_trend * lead)
 
     def capacity(self, obs: Observation, layout: tuple[int, int]) -> float:
         """The highest arrival rate (requests per second, of the observed lengths, no backlog)

@@ -63,6 +63,7 @@ class PlannerDriver:
             starting_workers=sum(pending.values()),
             rate_trend=seen.rate_trend,
             waiting_for_room=len(sim.room),
+            worker_start_s=sim.scenario.overheads.worker_start,
             decode_kv_tokens=min((w.blocks.num_blocks for w in sim.serving("decode")), default=0)
             * sim.router.block_size,
         )

@@ -63,6 +63,9 @@ class FakePools:
     def waiting_for_room(self) -> int:
         return 0
 
+    def worker_start_s(self) -> float | None:
+        return None
+
     def steps_since(self, since: float) -> list[StepRecord]:
         return [s for s in self.steps if s.end > since]
 

@@ -118,8 +118,11 @@ def test_scale_up_then_drain_back(killed) -> None:
     async def main() -> None:
         cluster = FakeCluster(CONFIG, num_prefill=1, num_decode=1, spawn=True)
         async with cluster.running() as coordinator:
+            assert coordinator.worker_start_s() is None  # none started yet
             coordinator.scale({"decode": 2})
             await until(lambda: len(coordinator.supervisor.serving("decode")) == 2)
+            started = coordinator.worker_start_s()
+            assert started is not None and 0 <= started < 5.0  # spawn -> serving, measured
             results = await asyncio.gather(*(tokens_of(coordinator, f"req-{i}") for i in range(4)))
             assert results == [OUTPUT[:8]] * 4
             assert cluster.decode["decode-new0"].ids("reserve")  # the new worker got work

@@ -140,6 +140,8 @@ def test_a_rising_rate_is_planned_for_a_worker_start_ahead_and_never_shrunk_on()
     assert rising.action == "grow" and "rising" in rising.reason
     layout = (rising.prefill_workers, rising.decode_workers)
     assert predict(MODEL, config, obs(0, *layout, 10.0), *layout).within(config)
+    measured = Planner(MODEL, config).decide(obs(0, 1, 1, 1.0, rate_trend=0.15, worker_start_s=5))
+    assert measured.action == "none"  # workers start in 5 s here: 1.75 req/s ahead, 1P1D holds
     quiet = Planner(MODEL, config)
     for t in range(0, 200, 2):  # light, but rising: no shrink
         assert quiet.decide(obs(t, 2, 2, 0.2, rate_trend=0.001)).action == "none"
