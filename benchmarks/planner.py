@@ -160,8 +160,7 @@ def small(args: argparse.Namespace) -> dict:
         slo.tpot_ms / 1e3,
         max_workers=4,
         shrink_hold_s=30,
-        lead_s=20.0,
-        decode_headroom_tokens=256,
+        decode_headroom_tokens=EngineLimits.decode_headroom_tokens,
     )
     phase = args.small_phase_s
     workloads = {
@@ -206,8 +205,7 @@ def large(args: argparse.Namespace) -> dict:
         max_num_seqs=256,
         max_num_batched_tokens=8192,
         shrink_hold_s=120,
-        lead_s=120.0,  # = worker_start below
-        decode_headroom_tokens=256,  # = EngineLimits' default below
+        decode_headroom_tokens=EngineLimits.decode_headroom_tokens,
     )
     period = args.large_period_s
     requests = workload(
