@@ -96,6 +96,13 @@ def add_deployment_flags(p: argparse.ArgumentParser) -> None:
         default=default_of(EngineConfig, "decode_headroom_tokens"),
         help="as tandem serve's",
     )
+    g.add_argument(
+        "--host-cores",
+        type=float,
+        metavar="N",
+        help="CPU workers on one machine: the cores their single-thread engines share (a step "
+        "runs k / N times slower while k workers step); default: a device per worker",
+    )
     g.add_argument("--step-gap-ms", type=float, default=0.0, help="host time between steps")
     g.add_argument("--dispatch-ms", type=float, default=0.0, help="client send -> routed")
     g.add_argument("--handover-ms", type=float, default=0.0, help="KV landed -> first token out")
@@ -173,6 +180,7 @@ def scenario_from_args(args: argparse.Namespace) -> Scenario:
             args.local_prefill_threshold,
             RouteCosts.from_step_model(step),
             late_after_s=None if args.late_after_ms is None else args.late_after_ms / 1e3,
+            host_cores=args.host_cores,
         )
     except SimulationError as err:
         raise CliError(str(err)) from None

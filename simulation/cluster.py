@@ -106,7 +106,9 @@ class Simulation:
         leaping: bool = True,
     ) -> None:
         self.scenario = scenario
-        self.leaping = leaping  # off: every decode step through the scheduler (same outcome)
+        # off: every decode step through the scheduler (same outcome). Workers that share host
+        # cores step one at a time: how long a step takes depends on who else is stepping.
+        self.leaping = leaping and scenario.deployment.host_cores is None
         self.load = load or LoadConfig()
         self.max_attempts = max_attempts
         self.now = 0.0
@@ -341,9 +343,19 @@ class Simulation:
         if not plan.chunks:  # nothing fits until blocks free up; a finish wakes it
             worker.stepping = False
             return
-        seconds = max(self.scenario.costs.step.predict(plan.shape()), 1e-6)
+        seconds = max(self.scenario.costs.step.predict(plan.shape()), 1e-6) * self._sharing()
+        worker.step_ends_at = self.now + seconds
         landed = self._send_kv(worker, plan, seconds) if worker.pool == "prefill" else {}
         self.at(self.now + seconds, self._end_step, worker, plan, seconds, landed, epoch)
+
+    def _sharing(self) -> float:
+        """How much slower a step starting now runs: the workers in a step (this one included)
+        over the host's cores, when they share a CPU host (Deployment.host_cores)."""
+        cores = self.scenario.deployment.host_cores
+        if cores is None:
+            return 1.0
+        stepping = 1 + sum(w.alive and w.step_ends_at > self.now for w in self.workers.values())
+        return max(1.0, stepping / cores)
 
     def _send_kv(self, worker: SimWorker, plan: StepPlan, seconds: float) -> dict[str, float]:
         """When each sampling chunk's KV has fully landed: layer l of every chunk is sent once

@@ -43,10 +43,16 @@ class Deployment:
     route_costs: RouteCosts = RouteCosts()
     gpus_per_worker: int = 1  # tensor parallel ranks: what a worker costs
     late_after_s: float | None = None  # the coordinator's (the TTFT objective): see room.py
+    # CPU workers sharing one machine: the cores their (single-thread) engines share. A step
+    # that starts while k workers (itself included) are in a step takes max(1, k / host_cores)
+    # times its modelled time. None: every worker has its own device (GPUs).
+    host_cores: float | None = None
 
     def __post_init__(self) -> None:
         if self.prefill_workers < 0 or self.decode_workers < 1:
             raise SimulationError("a deployment needs >= 0 prefill and >= 1 decode workers")
+        if self.host_cores is not None and self.host_cores <= 0:
+            raise SimulationError("host_cores must be more than 0")
         if self.routing not in POLICIES:
             raise SimulationError(f"routing must be one of {', '.join(POLICIES)}")
 

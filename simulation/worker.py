@@ -34,6 +34,7 @@ class SimWorker:
     reserved: dict[str, Sequence] = field(default_factory=dict)  # KV on its way
     cache_events: list[tuple[int, bool]] = field(default_factory=list)  # since the last poll
     link_free_at: float = 0.0  # a prefill worker's KV sender: busy until then
+    step_ends_at: float = 0.0  # the step in progress (or the last one) ends then
     leap: Leap | None = None  # decode steps planned at once, played as time passes
     busy_seconds: float = 0.0
     num_steps: int = 0

@@ -68,6 +68,7 @@ def test_simulate_late_after_serves_newest_first_under_overload(tmp_path, capsys
         (["--decode-workers", "0"], "decode workers"),
         (["--routing", "cost", "--num-kv-blocks", "0"], "num_blocks"),
         (["--decode-headroom-tokens", "-1"], "decode_headroom_tokens"),
+        (["--host-cores", "0"], "host_cores"),
     ],
 )
 def test_bad_simulate_input_is_one_line(extra, message, capsys):

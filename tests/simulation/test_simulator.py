@@ -127,6 +127,25 @@ def test_batched_steps_cost_what_the_model_says():
         assert list(run.token_times) == pytest.approx([0.010, 0.024, 0.038])
 
 
+def test_workers_sharing_host_cores_slow_each_other_down():
+    requests = [SimRequest(0.0, prompt(32, 1 << 20), 3), SimRequest(0.0, prompt(32, 1 << 21), 3)]
+
+    def times(host_cores: float | None) -> list[float]:
+        base = scenario(0, 2)
+        deployment = replace(base.deployment, host_cores=host_cores)
+        sim = Simulation(replace(base, deployment=deployment), requests)
+        outcome = sim.run()
+        assert_nothing_held(sim)
+        return [t for run in outcome.runs for t in run.token_times]
+
+    alone = [0.010, 0.020, 0.030] * 2  # a device each: one request per worker, 10 ms steps
+    assert times(None) == pytest.approx(alone)
+    assert times(2.0) == pytest.approx(alone)  # a core each
+    # One core: worker 0 starts first and alone (10 ms); every later step starts while the
+    # other worker is in a step, and takes twice its time.
+    assert times(1.0) == pytest.approx([0.010, 0.030, 0.050, 0.020, 0.040, 0.060])
+
+
 def test_max_concurrency_sends_the_next_request_when_one_finishes():
     requests = [SimRequest(0.0, prompt(32, (i + 1) << 20), 2) for i in range(3)]
     sim = Simulation(scenario(0, 1), requests, LoadConfig(max_concurrency=1))
