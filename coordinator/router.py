@@ -25,7 +25,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
-from engine.block_manager import block_hash
+from engine.block_manager import chain_hashes
 from planning.cost_model import StepCostModel, StepShape
 
 PREFILL_LOAD_BUCKET = 256  # queued tokens
@@ -91,11 +91,7 @@ class WorkerLoad:
 
 def prefix_hashes(token_ids: list[int], block_size: int) -> list[int]:
     """Chained hashes of the prompt's full blocks, as every worker's block manager makes them."""
-    hashes, parent = [], None
-    for start in range(0, len(token_ids) - block_size + 1, block_size):
-        parent = block_hash(parent, tuple(token_ids[start : start + block_size]))
-        hashes.append(parent)
-    return hashes
+    return chain_hashes(token_ids, block_size, [], len(token_ids) // block_size)
 
 
 class NoWorkerError(RuntimeError):

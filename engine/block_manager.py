@@ -4,7 +4,10 @@ Pure Python (no torch). A full block is identified by a chained hash
 
     hash(block i) = hash((hash(block i-1), *tokens of block i))
 
-so equal hashes mean equal prefixes, barring a collision; every hit re-checks the tokens.
+so equal hashes mean equal prefixes, barring a collision; every hit re-checks the tokens. A
+sequence keeps the hashes of its blocks (`Sequence.block_hashes`, filled by `chain_hashes`), so
+each block is hashed once however often its prefix is looked up or cached, and a cached block
+remembers where its tokens are (the token list and an offset) rather than a copy of them.
 
 A block is in exactly one state:
     held       ref_count > 0, in some sequence's block table
@@ -24,6 +27,18 @@ def block_hash(parent: int | None, tokens: Sequence[int]) -> int:
     return hash((parent, *tokens))
 
 
+def chain_hashes(
+    token_ids: Sequence[int], block_size: int, hashes: list[int], count: int
+) -> list[int]:
+    """Extends `hashes`, the chained hashes of the first full blocks of `token_ids`, to `count`
+    blocks (in place), and returns it."""
+    parent = hashes[-1] if hashes else None
+    for i in range(len(hashes), count):
+        parent = block_hash(parent, tuple(token_ids[i * block_size : (i + 1) * block_size]))
+        hashes.append(parent)
+    return hashes
+
+
 def num_blocks_for(num_tokens: int, block_size: int) -> int:
     return -(-num_tokens // block_size)
 
@@ -40,7 +55,8 @@ class BlockManager:
         self.enable_prefix_caching = enable_prefix_caching
         self.ref_counts = [0] * num_blocks
         self.hashes: list[int | None] = [None] * num_blocks
-        self.block_tokens: list[tuple[int, ...] | None] = [None] * num_blocks
+        # where a cached block's tokens are: (a token list, the block's first index in it)
+        self.block_tokens: list[tuple[Sequence[int], int] | None] = [None] * num_blocks
         self.hash_to_block: dict[int, int] = {}
         self.free: deque[int] = deque(range(num_blocks))
         self.evictable: OrderedDict[int, None] = OrderedDict()  # least recently freed first
@@ -57,20 +73,29 @@ class BlockManager:
     def usage(self) -> float:
         return 1.0 - self.num_free_blocks / self.num_blocks
 
-    def match_prefix(self, token_ids: Sequence[int]) -> list[int]:
-        """Cached full blocks holding the longest prefix of `token_ids`, in order; takes nothing."""
+    def match_prefix(self, token_ids: Sequence[int], hashes: list[int] | None = None) -> list[int]:
+        """Cached full blocks holding the longest prefix of `token_ids`, in order; takes nothing.
+        `hashes`: the token list's block hashes known so far (extended as far as it looks)."""
         if not self.enable_prefix_caching:
             return []
-        bs, parent = self.block_size, None
+        bs = self.block_size
+        hashes = [] if hashes is None else hashes
         block_ids: list[int] = []
-        for start in range(0, len(token_ids) - bs + 1, bs):
-            tokens = tuple(token_ids[start : start + bs])
-            parent = block_hash(parent, tokens)
-            block = self.hash_to_block.get(parent)
-            if block is None or self.block_tokens[block] != tokens:
+        for i in range(len(token_ids) // bs):
+            if i == len(hashes):
+                chain_hashes(token_ids, bs, hashes, i + 1)
+            block = self.hash_to_block.get(hashes[i])
+            if block is None or not self._holds(block, token_ids, i * bs):
                 break
             block_ids.append(block)
         return block_ids
+
+    def _holds(self, block: int, token_ids: Sequence[int], start: int) -> bool:
+        """The cached block's tokens are token_ids[start : start + block_size] (no collision)."""
+        where = self.block_tokens[block]
+        assert where is not None
+        ids, at, bs = where[0], where[1], self.block_size
+        return list(ids[at : at + bs]) == list(token_ids[start : start + bs])
 
     def count_query(self, num_queried_tokens: int, num_hit_tokens: int) -> None:
         self.prefix_queries += num_queried_tokens
@@ -98,16 +123,16 @@ class BlockManager:
         """`count` fresh blocks, each with one reference. Raises if fewer are free."""
         if count > self.num_free_blocks:
             raise RuntimeError(f"asked for {count} KV blocks, {self.num_free_blocks} free")
-        return [self._take_fresh() for _ in range(count)]
-
-    def _take_fresh(self) -> int:
-        if self.free:
-            block = self.free.popleft()
-        else:
+        # Never-cached blocks first, then the least recently cached ones, which leave the cache.
+        fresh = min(count, len(self.free))
+        blocks = [self.free.popleft() for _ in range(fresh)]
+        for _ in range(count - fresh):
             block, _ = self.evictable.popitem(last=False)
             self._forget(block)
-        self.ref_counts[block] = 1
-        return block
+            blocks.append(block)
+        for block in blocks:
+            self.ref_counts[block] = 1
+        return blocks
 
     def _forget(self, block: int) -> None:
         digest = self.hashes[block]
@@ -119,23 +144,30 @@ class BlockManager:
         self.block_tokens[block] = None
 
     def cache_full_blocks(
-        self, block_table: list[int], token_ids: Sequence[int], num_hashed: int, num_full: int
+        self,
+        block_table: list[int],
+        token_ids: Sequence[int],
+        num_hashed: int,
+        num_full: int,
+        hashes: list[int] | None = None,
     ) -> None:
-        """Registers blocks num_hashed .. num_full-1 of a block table, now full of computed KV."""
+        """Registers blocks num_hashed .. num_full-1 of a block table, now full of computed KV.
+        `hashes`: the token list's block hashes known so far (extended to num_full)."""
         if not self.enable_prefix_caching:
             return
-        bs = self.block_size
-        parent = self.hashes[block_table[num_hashed - 1]] if num_hashed else None
+        if hashes is None:
+            hashes = [self.hashes[b] for b in block_table[:num_hashed]]  # type: ignore[misc]
+        chain_hashes(token_ids, self.block_size, hashes, num_full)
         for i in range(num_hashed, num_full):
-            block, tokens = block_table[i], tuple(token_ids[i * bs : (i + 1) * bs])
-            parent = block_hash(parent, tokens)
+            block, digest = block_table[i], hashes[i]
             if self.hashes[block] is None:
-                self.hashes[block], self.block_tokens[block] = parent, tokens
+                self.hashes[block] = digest
+                self.block_tokens[block] = (token_ids, i * self.block_size)
                 # A twin computed concurrently keeps the entry; this copy is freed as a miss.
-                if parent not in self.hash_to_block:
-                    self.hash_to_block[parent] = block
+                if digest not in self.hash_to_block:
+                    self.hash_to_block[digest] = block
                     if self.on_cache_change is not None:
-                        self.on_cache_change(parent, True)
+                        self.on_cache_change(digest, True)
 
     def free_blocks(self, block_ids: list[int]) -> None:
         """Drops one reference per block; the last reference makes it cached or free."""

@@ -137,7 +137,7 @@ class LLMEngine:
         hits are taken here and need not be sent."""
         seq = self._new_sequence(request_id, prompt_ids, params, output_ids)
         del self.sequences[request_id]
-        hits = self.blocks.match_prefix(seq.token_ids)
+        hits = self.blocks.match_prefix(seq.token_ids, seq.block_hashes)
         held = (*self.scheduler.running, *self.reserved.values())
         headroom = self.config.decode_headroom_tokens
         fits = fits_with_headroom(self.blocks, held, seq, hits, headroom)

@@ -151,7 +151,7 @@ class Scheduler:
         bs = self.blocks.block_size
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
-            hits = self.blocks.match_prefix(seq.token_ids)
+            hits = self.blocks.match_prefix(seq.token_ids, seq.block_hashes)
             if len(hits) * bs >= seq.num_tokens:  # always compute at least the last token
                 hits = hits[:-1]
             num_cached = len(hits) * bs
@@ -210,7 +210,7 @@ class Scheduler:
         num_full = seq.num_computed_tokens // self.blocks.block_size
         if num_full > seq.num_hashed_blocks:
             self.blocks.cache_full_blocks(
-                seq.block_table, seq.token_ids, seq.num_hashed_blocks, num_full
+                seq.block_table, seq.token_ids, seq.num_hashed_blocks, num_full, seq.block_hashes
             )
             seq.num_hashed_blocks = num_full
 

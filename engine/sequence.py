@@ -31,6 +31,8 @@ class Sequence:
     num_cached_prompt_tokens: int = 0  # prompt tokens found in the prefix cache at admission
     block_table: list[int] = field(default_factory=list)
     num_hashed_blocks: int = 0
+    # chained hashes of its first full blocks, computed once (block_manager.chain_hashes)
+    block_hashes: list[int] = field(default_factory=list)
     finish_reason: FinishReason | None = None
     num_preemptions: int = 0
     arrival_time: float = field(default_factory=time.monotonic)

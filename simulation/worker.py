@@ -50,14 +50,23 @@ class SimWorker:
         )
 
     def new_sequence(
-        self, key: str, token_ids: Sequence_[int], num_prompt: int, max_tokens: int
+        self,
+        key: str,
+        token_ids: Sequence_[int],
+        num_prompt: int,
+        max_tokens: int,
+        hashes: list[int] | None = None,
     ) -> Sequence:
-        """`max_tokens`: the request's output length (as the client asks it, ignoring EOS)."""
+        """`max_tokens`: the request's output length (as the client asks it, ignoring EOS);
+        `hashes`: the token list's block hashes, when the caller has them (the router's)."""
         ids = token_ids.copy() if hasattr(token_ids, "copy") else list(token_ids)
         params = _PARAMS.get(max_tokens) or _PARAMS.setdefault(
             max_tokens, SamplingParams(max_tokens=max_tokens)
         )
-        return Sequence(key, ids, num_prompt, params)  # type: ignore[arg-type]
+        seq = Sequence(key, ids, num_prompt, params)  # type: ignore[arg-type]
+        if hashes:
+            seq.block_hashes = list(hashes)
+        return seq
 
     def has_room(self) -> bool:
         """`LLMEngine.has_room`: running plus promised stay under max_num_seqs."""
@@ -68,7 +77,7 @@ class SimWorker:
         all; False if no room."""
         if not self.has_room():
             return False
-        hits = self.blocks.match_prefix(seq.token_ids)
+        hits = self.blocks.match_prefix(seq.token_ids, seq.block_hashes)
         held = (*self.scheduler.running, *self.reserved.values())
         if not fits_with_headroom(self.blocks, held, seq, hits, self.limits.decode_headroom_tokens):
             return False
