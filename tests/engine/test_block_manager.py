@@ -77,6 +77,22 @@ def test_hash_collision_is_caught_by_token_recheck() -> None:
     assert bm.match_prefix([1, 2, 3, 4]) == table[:1]
 
 
+def test_a_sequence_hashes_its_blocks_once_and_every_hit_still_checks_tokens() -> None:
+    bm = make()
+    tokens = [1, 2, 3, 4, 5, 6, 7, 8, 9]
+    table, hashes = bm.allocate(3), []
+    bm.cache_full_blocks(table, tokens, 0, 2, hashes)  # fills the sequence's hash list
+    first = block_hash(None, [1, 2, 3, 4])
+    assert hashes == [first, block_hash(first, [5, 6, 7, 8])]
+    known = list(hashes)
+    assert bm.match_prefix(tokens, known) == table[:2] and known == hashes  # nothing rehashed
+    # Hashes that belong to other tokens find blocks, but the tokens do not match: a miss.
+    assert bm.match_prefix([9, 9, 9, 9, 5, 6, 7, 8], list(hashes)) == []
+    # A lookup extends a short list only as far as it looks (the first block misses here).
+    partial: list[int] = []
+    assert bm.match_prefix([7, 7, 7, 7, 7, 7, 7, 7], partial) == [] and len(partial) == 1
+
+
 def test_freed_cached_blocks_stay_matchable_until_evicted() -> None:
     bm = make(4)
     table = fill(bm, [1, 2, 3, 4, 5, 6, 7, 8])
