@@ -7,7 +7,10 @@ Per layout, one `tandem serve` process:
   1. calibration: `tandem bench` at --max-concurrency 16 (saturating); its request throughput is
      the layout's capacity, and the engine steps it ran (GET /admin/telemetry) are fitted into the
      layout's step cost model, with the host gap between steps (what `tandem profile
-     --from-telemetry` does; the model is never fitted on the runs it is scored on);
+     --from-telemetry` does; the model is never fitted on the runs it is scored on). Decode
+     steps that started while a prefill worker was in a step (on this machine they share two
+     cores and run 3-4x slower) are left out of the fit; their mean slowdown over the model
+     becomes the simulated deployment's `prefill_interference`;
   2. per mix and load: `tandem bench` with Poisson arrivals at that fraction of capacity, and the
      simulator on the very same prompts and arrival times (same dataset flags, tokenizer, seed).
 Reported: TTFT and ITL p50/p99 real vs simulated and their errors, and SLO attainment (share of
@@ -19,6 +22,7 @@ p99 within 10%; attainment within 2 points.
 from __future__ import annotations
 
 import argparse
+import bisect
 import json
 import statistics
 import subprocess
@@ -58,6 +62,7 @@ MIXES = {  # name: (dataset flags, spec)
     ),
 }  # fmt: skip
 CALIBRATION_CONCURRENCY = 16
+MIN_BESIDE = 5  # decode steps beside a prefill step needed to measure their slowdown
 MAX_STEP_GAP_S = 0.05  # longer pauses between steps are idle time, not per-step host work
 TARGETS = {"ttft_p50": 10, "ttft_p99": 15, "itl_p50": 5, "itl_p99": 10}  # % error allowed
 
@@ -85,20 +90,55 @@ def step_gap(records: list[StepRecord]) -> float:
     return statistics.median(gaps) if gaps else 0.0
 
 
-def calibrate(url: str, work: Path, name: str) -> tuple[StepCostModel, float, int]:
-    """The layout's step model (fitted on its served steps), step gap, and steps fitted."""
+def beside_prefill(per_worker: dict[str, list[StepRecord]]) -> set[int]:
+    """ids of the decode workers' steps that started while a prefill worker was in a step."""
+    spans = [
+        sorted((s.end - s.seconds, s.end) for s in steps)
+        for worker, steps in per_worker.items()
+        if worker.startswith("prefill")
+    ]
+    starts = [[a for a, _ in span] for span in spans]
+
+    def inside(t: float) -> bool:
+        for span, begun in zip(spans, starts, strict=True):
+            i = bisect.bisect_right(begun, t) - 1
+            if i >= 0 and span[i][1] > t:
+                return True
+        return False
+
+    return {
+        id(s)
+        for worker, steps in per_worker.items()
+        if worker.startswith("decode")
+        for s in steps
+        if inside(s.end - s.seconds)
+    }
+
+
+def calibrate(url: str, work: Path, name: str) -> tuple[StepCostModel, float, float, int]:
+    """The layout's step model (fitted on its served steps, less the decode steps beside a
+    prefill step), the slowdown of those (mean actual / modelled: the simulator's
+    prefill_interference), the step gap, and the steps fitted."""
     reply = httpx.get(f"{url}/admin/telemetry?limit=4096", timeout=30, trust_env=False).json()
     path = work / f"{name}-telemetry.json"
     path.write_text(json.dumps(reply))
-    per_worker = [
-        [StepRecord(**{k: s[k] for k in StepRecord._fields}) for s in w.get("steps", [])]
-        for w in reply["workers"].values()
-    ]
-    gaps = [step_gap(sorted(r, key=lambda s: s.end)) for r in per_worker if len(r) > 2]
-    records = [record for steps in per_worker for record in steps]
+    per_worker = {
+        worker: [StepRecord(**{k: s[k] for k in StepRecord._fields}) for s in w.get("steps", [])]
+        for worker, w in reply["workers"].items()
+    }
+    gaps = [step_gap(sorted(r, key=lambda s: s.end)) for r in per_worker.values() if len(r) > 2]
+    beside = beside_prefill(per_worker)
+    records = [s for steps in per_worker.values() for s in steps if id(s) not in beside]
     train, heldout = split_every(records, 5)
     model = fit(train, heldout, ProfileInfo(model=name, source="telemetry"))
-    return model, statistics.median(gaps) if gaps else 0.0, len(records)
+    slowed = [
+        s.seconds / max(model.predict(s), 1e-9)
+        for steps in per_worker.values()
+        for s in steps
+        if id(s) in beside
+    ]
+    interference = max(1.0, statistics.fmean(slowed)) if len(slowed) >= MIN_BESIDE else 1.0
+    return model, interference, statistics.median(gaps) if gaps else 0.0, len(records)
 
 
 def attainment(record: dict, ttft_ms: float, tpot_ms: float) -> float:
@@ -140,7 +180,7 @@ def run_layout(model: Path, layout: str, args: argparse.Namespace, work: Path) -
                 "--max-concurrency", str(CALIBRATION_CONCURRENCY), "--seed", "99",
             ])  # fmt: skip
             capacity = calib["request_throughput"]
-            step, gap, fitted = calibrate(server.url, work, f"{layout}-{mix}")
+            step, interference, gap, fitted = calibrate(server.url, work, f"{layout}-{mix}")
             for fraction in args.loads:
                 rate = round(fraction * capacity, 3)
                 count = max(20, round(rate * args.duration))
@@ -152,7 +192,12 @@ def run_layout(model: Path, layout: str, args: argparse.Namespace, work: Path) -
                 samples = sample_requests(DatasetConfig(spec, count, args.seed), tokenizer)
                 requests = from_samples(samples, tokenizer.encode, load)
                 scenario = Scenario(
-                    Deployment(prefill, decode, EngineLimits(args.num_kv_blocks)),
+                    Deployment(
+                        prefill,
+                        decode,
+                        EngineLimits(args.num_kv_blocks),
+                        prefill_interference=interference,
+                    ),
                     Costs(step),
                     Overheads(step_gap=gap, dispatch=args.dispatch_ms / 1e3),
                 )
@@ -160,7 +205,8 @@ def run_layout(model: Path, layout: str, args: argparse.Namespace, work: Path) -
                 row = {"layout": layout, "mix": mix, "load": fraction, "rate": rate,
                        "capacity_req_s": capacity, "fitted_steps": fitted,
                        "fit_heldout_mae_pct": step.stats.heldout_mae_pct,
-                       "step_gap_ms": gap * 1e3, **compare(real, sim, args)}  # fmt: skip
+                       "step_gap_ms": gap * 1e3, "prefill_interference": interference,
+                       **compare(real, sim, args)}  # fmt: skip
                 rows.append(row)
                 print(json.dumps(row), file=sys.stderr, flush=True)
     return rows

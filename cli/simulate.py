@@ -103,6 +103,14 @@ def add_deployment_flags(p: argparse.ArgumentParser) -> None:
         help="CPU workers on one machine: the cores their single-thread engines share (a step "
         "runs k / N times slower while k workers step); default: a device per worker",
     )
+    g.add_argument(
+        "--prefill-interference",
+        type=float,
+        default=1.0,
+        metavar="X",
+        help="CPU workers on one machine: a decode step that starts while a prefill worker is "
+        "in a step takes X times as long (benchmarks/simulator_fidelity.py measures it)",
+    )
     g.add_argument("--step-gap-ms", type=float, default=0.0, help="host time between steps")
     g.add_argument("--dispatch-ms", type=float, default=0.0, help="client send -> routed")
     g.add_argument("--handover-ms", type=float, default=0.0, help="KV landed -> first token out")
@@ -181,6 +189,7 @@ def scenario_from_args(args: argparse.Namespace) -> Scenario:
             RouteCosts.from_step_model(step),
             late_after_s=None if args.late_after_ms is None else args.late_after_ms / 1e3,
             host_cores=args.host_cores,
+            prefill_interference=args.prefill_interference,
         )
     except SimulationError as err:
         raise CliError(str(err)) from None

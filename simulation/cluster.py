@@ -110,9 +110,10 @@ class Simulation:
         leaping: bool = True,
     ) -> None:
         self.scenario = scenario
-        # off: every decode step through the scheduler (same outcome). Workers that share host
-        # cores step one at a time: how long a step takes depends on who else is stepping.
-        self.leaping = leaping and scenario.deployment.host_cores is None
+        # off: every decode step through the scheduler (same outcome). Workers that share a
+        # host step one at a time: how long a step takes depends on who else is stepping.
+        dep = scenario.deployment
+        self.leaping = leaping and dep.host_cores is None and dep.prefill_interference == 1
         self.load = load or LoadConfig()
         self.max_attempts = max_attempts
         self.now = 0.0
@@ -362,19 +363,31 @@ class Simulation:
         if not plan.chunks:  # nothing fits until blocks free up; a finish wakes it
             worker.stepping = False
             return
-        seconds = max(self.scenario.costs.step.predict(plan.shape()), 1e-6) * self._sharing()
+        seconds = max(self.scenario.costs.step.predict(plan.shape()), 1e-6) * self._slowdown(worker)
         worker.step_ends_at = self.now + seconds
         landed = self._send_kv(worker, plan, seconds) if worker.pool == "prefill" else {}
         self.at(self.now + seconds, self._end_step, worker, plan, seconds, landed, epoch)
 
-    def _sharing(self) -> float:
-        """How much slower a step starting now runs: the workers in a step (this one included)
-        over the host's cores, when they share a CPU host (Deployment.host_cores)."""
-        cores = self.scenario.deployment.host_cores
-        if cores is None:
-            return 1.0
-        stepping = 1 + sum(w.alive and w.step_ends_at > self.now for w in self.workers.values())
-        return max(1.0, stepping / cores)
+    def _slowdown(self, worker: SimWorker) -> float:
+        """How much slower than modelled a step of `worker` starting now runs, when workers
+        share a CPU host: the workers in a step (this one included) over the host's cores
+        (Deployment.host_cores), and a decode step beside a prefill step
+        (Deployment.prefill_interference)."""
+        dep = self.scenario.deployment
+        factor = 1.0
+        if dep.host_cores is not None:
+            stepping = 1 + sum(w.alive and w.step_ends_at > self.now for w in self.workers.values())
+            factor = max(1.0, stepping / dep.host_cores)
+        if (
+            worker.pool == "decode"
+            and dep.prefill_interference != 1
+            and any(
+                w.pool == "prefill" and w.alive and w.step_ends_at > self.now
+                for w in self.workers.values()
+            )
+        ):
+            factor *= dep.prefill_interference
+        return factor
 
     def _send_kv(self, worker: SimWorker, plan: StepPlan, seconds: float) -> dict[str, float]:
         """When each sampling chunk's KV has fully landed: layer l of every chunk is sent once

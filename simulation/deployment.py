@@ -47,12 +47,18 @@ class Deployment:
     # that starts while k workers (itself included) are in a step takes max(1, k / host_cores)
     # times its modelled time. None: every worker has its own device (GPUs).
     host_cores: float | None = None
+    # Measured slowdown of a decode step that starts while a prefill worker is in a step, when
+    # they share a CPU host (their threads preempt each other; fitted from telemetry by
+    # benchmarks/simulator_fidelity.py). 1: no interference (each worker on its own device).
+    prefill_interference: float = 1.0
 
     def __post_init__(self) -> None:
         if self.prefill_workers < 0 or self.decode_workers < 1:
             raise SimulationError("a deployment needs >= 0 prefill and >= 1 decode workers")
         if self.host_cores is not None and self.host_cores <= 0:
             raise SimulationError("host_cores must be more than 0")
+        if self.prefill_interference < 1:
+            raise SimulationError("prefill_interference must be at least 1")
         if self.routing not in POLICIES:
             raise SimulationError(f"routing must be one of {', '.join(POLICIES)}")
 

@@ -69,6 +69,7 @@ def test_simulate_late_after_serves_newest_first_under_overload(tmp_path, capsys
         (["--routing", "cost", "--num-kv-blocks", "0"], "num_blocks"),
         (["--decode-headroom-tokens", "-1"], "decode_headroom_tokens"),
         (["--host-cores", "0"], "host_cores"),
+        (["--prefill-interference", "0.5"], "prefill_interference"),
     ],
 )
 def test_bad_simulate_input_is_one_line(extra, message, capsys):

@@ -146,6 +146,24 @@ def test_workers_sharing_host_cores_slow_each_other_down():
     assert times(1.0) == pytest.approx([0.010, 0.030, 0.050, 0.020, 0.040, 0.060])
 
 
+def test_a_decode_step_beside_a_prefill_step_takes_the_measured_slowdown():
+    requests = [SimRequest(0.0, prompt(32, 1 << 20), 5), SimRequest(0.015, prompt(32, 1 << 21), 3)]
+
+    def times(interference: float) -> list[float]:
+        base = scenario(1, 1)
+        deployment = replace(base.deployment, prefill_interference=interference)
+        sim = Simulation(replace(base, deployment=deployment), requests)
+        outcome = sim.run()
+        assert_nothing_held(sim)
+        return [t for run in outcome.runs for t in run.token_times]
+
+    # A prefilled 0-10 ms, then decodes in 10 ms steps; B prefills 15-25 ms and joins the
+    # decode batch at the next step.
+    assert times(1.0) == pytest.approx([0.010, 0.020, 0.030, 0.040, 0.050, 0.025, 0.040, 0.050])
+    # The decode step starting at 20 ms does so while B's prefill step runs: 3 x 10 ms.
+    assert times(3.0) == pytest.approx([0.010, 0.020, 0.050, 0.060, 0.070, 0.025, 0.060, 0.070])
+
+
 def test_max_concurrency_sends_the_next_request_when_one_finishes():
     requests = [SimRequest(0.0, prompt(32, (i + 1) << 20), 2) for i in range(3)]
     sim = Simulation(scenario(0, 1), requests, LoadConfig(max_concurrency=1))
