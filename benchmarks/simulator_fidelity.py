@@ -9,8 +9,9 @@ Per layout, one `tandem serve` process:
      layout's step cost model, with the host gap between steps (what `tandem profile
      --from-telemetry` does; the model is never fitted on the runs it is scored on). Decode
      steps that started while a prefill worker was in a step (on this machine they share two
-     cores and run 3-4x slower) are left out of the fit; their mean slowdown over the model
-     becomes the simulated deployment's `prefill_interference`;
+     cores and run 3-4x slower) are left out of the fit with --fit-interference, and their
+     median slowdown over the model becomes the simulated deployment's
+     `prefill_interference` (off by default: see docs/architecture.md for what it measured);
   2. per mix and load: `tandem bench` with Poisson arrivals at that fraction of capacity, and the
      simulator on the very same prompts and arrival times (same dataset flags, tokenizer, seed).
 Reported: TTFT and ITL p50/p99 real vs simulated and their errors, and SLO attainment (share of
@@ -115,10 +116,13 @@ def beside_prefill(per_worker: dict[str, list[StepRecord]]) -> set[int]:
     }
 
 
-def calibrate(url: str, work: Path, name: str) -> tuple[StepCostModel, float, float, int]:
-    """The layout's step model (fitted on its served steps, less the decode steps beside a
-    prefill step), the slowdown of those (mean actual / modelled: the simulator's
-    prefill_interference), the step gap, and the steps fitted."""
+def calibrate(
+    url: str, work: Path, name: str, interference: bool
+) -> tuple[StepCostModel, float, float, int]:
+    """The layout's step model (fitted on its served steps), the prefill interference, the step
+    gap, and the steps fitted. `interference`: the decode steps beside a prefill step are left
+    out of the fit and their median slowdown over the model is the simulator's
+    prefill_interference (else 1, and every step is fitted)."""
     reply = httpx.get(f"{url}/admin/telemetry?limit=4096", timeout=30, trust_env=False).json()
     path = work / f"{name}-telemetry.json"
     path.write_text(json.dumps(reply))
@@ -127,7 +131,7 @@ def calibrate(url: str, work: Path, name: str) -> tuple[StepCostModel, float, fl
         for worker, w in reply["workers"].items()
     }
     gaps = [step_gap(sorted(r, key=lambda s: s.end)) for r in per_worker.values() if len(r) > 2]
-    beside = beside_prefill(per_worker)
+    beside = beside_prefill(per_worker) if interference else set()
     records = [s for steps in per_worker.values() for s in steps if id(s) not in beside]
     train, heldout = split_every(records, 5)
     model = fit(train, heldout, ProfileInfo(model=name, source="telemetry"))
@@ -137,7 +141,7 @@ def calibrate(url: str, work: Path, name: str) -> tuple[StepCostModel, float, fl
         for s in steps
         if id(s) in beside
     ]
-    interference = max(1.0, statistics.fmean(slowed)) if len(slowed) >= MIN_BESIDE else 1.0
+    interference = max(1.0, statistics.median(slowed)) if len(slowed) >= MIN_BESIDE else 1.0
     return model, interference, statistics.median(gaps) if gaps else 0.0, len(records)
 
 
@@ -180,7 +184,9 @@ def run_layout(model: Path, layout: str, args: argparse.Namespace, work: Path) -
                 "--max-concurrency", str(CALIBRATION_CONCURRENCY), "--seed", "99",
             ])  # fmt: skip
             capacity = calib["request_throughput"]
-            step, interference, gap, fitted = calibrate(server.url, work, f"{layout}-{mix}")
+            step, interference, gap, fitted = calibrate(
+                server.url, work, f"{layout}-{mix}", args.fit_interference
+            )
             for fraction in args.loads:
                 rate = round(fraction * capacity, 3)
                 count = max(20, round(rate * args.duration))
@@ -252,6 +258,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--slo-ttft-ms", type=float, default=500.0)
     p.add_argument("--slo-tpot-ms", type=float, default=60.0)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--fit-interference",
+        action="store_true",
+        help="simulate decode steps beside a prefill step as slowed by their measured factor",
+    )
     p.add_argument("--json", type=Path, default=None)
     return p.parse_args(argv)
 
