@@ -58,11 +58,15 @@ def layout_name(prefill: int, decode: int) -> str:
     return f"{decode} colocated" if prefill == 0 else f"{prefill}P{decode}D"  # as plan names it
 
 
-def workload_flags(mix: str, args: argparse.Namespace) -> list[str]:
-    flags, rate = MIXES[mix]
+def load_flags(mix: str, args: argparse.Namespace) -> list[str]:
+    """How many requests of the mix, at what Poisson rate, from which seed."""
+    rate = MIXES[mix][1]
     count = max(20, round(rate * args.duration))
-    return [*flags, "--num-prompts", str(count), "--request-rate", str(rate),
-            "--seed", str(args.seed)]  # fmt: skip
+    return ["--num-prompts", str(count), "--request-rate", str(rate), "--seed", str(args.seed)]
+
+
+def workload_flags(mix: str, args: argparse.Namespace) -> list[str]:
+    return [*MIXES[mix][0], *load_flags(mix, args)]
 
 
 def goodput_flags(args: argparse.Namespace) -> list[str]:
@@ -112,7 +116,7 @@ def measure(prefill: int, decode: int, args: argparse.Namespace, work: Path) -> 
     with ServeProcess(serve, work / f"{name}.log") as server:
         server.wait_healthy(START_TIMEOUT_S)
         for mix in args.mixes:
-            extra = [*workload_flags(mix, args)[len(MIXES[mix][0]) :], *goodput_flags(args)]
+            extra = [*load_flags(mix, args), *goodput_flags(args)]
             out = work / f"{name}-{mix}.json"
             records[mix] = bench(server.url, args.model, MIXES[mix][0], out, extra)
             r = records[mix]
