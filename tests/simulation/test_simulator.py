@@ -127,16 +127,20 @@ def test_batched_steps_cost_what_the_model_says():
         assert list(run.token_times) == pytest.approx([0.010, 0.024, 0.038])
 
 
+def token_times(base: Scenario, requests: list[SimRequest], **deployment: object) -> list[float]:
+    """Every request's token times, in request order, on `base` with its deployment changed."""
+    changed = replace(base, deployment=replace(base.deployment, **deployment))
+    sim = Simulation(changed, requests)
+    outcome = sim.run()
+    assert_nothing_held(sim)
+    return [t for run in outcome.runs for t in run.token_times]
+
+
 def test_workers_sharing_host_cores_slow_each_other_down():
     requests = [SimRequest(0.0, prompt(32, 1 << 20), 3), SimRequest(0.0, prompt(32, 1 << 21), 3)]
 
     def times(host_cores: float | None) -> list[float]:
-        base = scenario(0, 2)
-        deployment = replace(base.deployment, host_cores=host_cores)
-        sim = Simulation(replace(base, deployment=deployment), requests)
-        outcome = sim.run()
-        assert_nothing_held(sim)
-        return [t for run in outcome.runs for t in run.token_times]
+        return token_times(scenario(0, 2), requests, host_cores=host_cores)
 
     alone = [0.010, 0.020, 0.030] * 2  # a device each: one request per worker, 10 ms steps
     assert times(None) == pytest.approx(alone)
@@ -150,12 +154,7 @@ def test_a_decode_step_beside_a_prefill_step_takes_the_measured_slowdown():
     requests = [SimRequest(0.0, prompt(32, 1 << 20), 5), SimRequest(0.015, prompt(32, 1 << 21), 3)]
 
     def times(interference: float) -> list[float]:
-        base = scenario(1, 1)
-        deployment = replace(base.deployment, prefill_interference=interference)
-        sim = Simulation(replace(base, deployment=deployment), requests)
-        outcome = sim.run()
-        assert_nothing_held(sim)
-        return [t for run in outcome.runs for t in run.token_times]
+        return token_times(scenario(1, 1), requests, prefill_interference=interference)
 
     # A prefilled 0-10 ms, then decodes in 10 ms steps; B prefills 15-25 ms and joins the
     # decode batch at the next step.
