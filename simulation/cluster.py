@@ -113,7 +113,7 @@ class Simulation:
         # off: every decode step through the scheduler (same outcome). Workers that share a
         # host step one at a time: how long a step takes depends on who else is stepping.
         dep = scenario.deployment
-        self.leaping = leaping and dep.host_cores is None and dep.prefill_interference == 1
+        self.leaping = leaping and not dep.shares_host
         self.load = load or LoadConfig()
         self.max_attempts = max_attempts
         self.now = 0.0
@@ -374,18 +374,11 @@ class Simulation:
         (Deployment.host_cores), and a decode step beside a prefill step
         (Deployment.prefill_interference)."""
         dep = self.scenario.deployment
-        factor = 1.0
-        if dep.host_cores is not None:
-            stepping = 1 + sum(w.alive and w.step_ends_at > self.now for w in self.workers.values())
-            factor = max(1.0, stepping / dep.host_cores)
-        if (
-            worker.pool == "decode"
-            and dep.prefill_interference != 1
-            and any(
-                w.pool == "prefill" and w.alive and w.step_ends_at > self.now
-                for w in self.workers.values()
-            )
-        ):
+        if not dep.shares_host:
+            return 1.0
+        busy = [w for w in self.workers.values() if w.alive and w.step_ends_at > self.now]
+        factor = 1.0 if dep.host_cores is None else max(1.0, (1 + len(busy)) / dep.host_cores)
+        if worker.pool == "decode" and any(w.pool == "prefill" for w in busy):
             factor *= dep.prefill_interference
         return factor
 

@@ -67,6 +67,11 @@ class Deployment:
         return self.prefill_workers == 0
 
     @property
+    def shares_host(self) -> bool:
+        """Its workers' steps slow each other down (CPU workers on one machine)."""
+        return self.host_cores is not None or self.prefill_interference != 1
+
+    @property
     def num_workers(self) -> int:
         return self.prefill_workers + self.decode_workers
 
