@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import random
+
 import pytest
 
 from engine.tokenizer import IncrementalDetokenizer, Tokenizer
@@ -41,3 +43,44 @@ def test_chat_template_is_rendered_like_transformers(tokenizer) -> None:
     )["input_ids"]
     assert tokenizer.encode_chat(messages) == list(expected)
     assert tokenizer.render_chat(messages).endswith("<|im_start|>assistant\n")
+
+
+def _deltas(tokenizer, prompt, ids, groups, python_window: bool, monkeypatch) -> list[str]:
+    with monkeypatch.context() as patch:
+        if python_window:
+            patch.setattr(tokenizer, "decode_stream", lambda *args: None)
+        detok = IncrementalDetokenizer(tokenizer, prompt)
+    assert (detok.stream is None) == python_window
+    deltas, at = [], 0
+    for size in groups:
+        deltas.append(detok.push(ids[at : at + size]))
+        at += size
+    deltas.append(detok.flush())
+    return deltas
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_rust_and_python_windows_give_the_same_text(tokenizer, monkeypatch, seed) -> None:
+    # Random ids (byte tokens cut characters anywhere, special tokens decode to nothing), ending
+    # inside a character so that flush has text to give. Pushed one at a time, both windows give
+    # the same deltas; pushed in groups, the Rust one may give a group's whole characters before
+    # the cut one (Python holds the group back), and the text joins up the same.
+    rng = random.Random(seed)
+    vocab = len(tokenizer.hf)
+    ids = tokenizer.encode(TEXT) + [rng.randrange(vocab) for _ in range(300)]
+    ids += tokenizer.encode("😀")[:-1]
+    groups, left = [], len(ids)
+    while left:
+        groups.append(min(left, rng.choice([1, 1, 1, 2, 3])))
+        left -= groups[-1]
+    prompt = tokenizer.encode("Prefill processes")
+    full = tokenizer.decode(prompt + ids)[len(tokenizer.decode(prompt)) :]
+    ones = [1] * len(ids)
+    rust = _deltas(tokenizer, prompt, ids, ones, python_window=False, monkeypatch=monkeypatch)
+    python = _deltas(tokenizer, prompt, ids, ones, python_window=True, monkeypatch=monkeypatch)
+    assert rust == python
+    assert "".join(rust) == full
+    assert rust[-1].endswith("\ufffd")  # the cut emoji, given at the end as the full decode does
+    for python_window in (False, True):
+        grouped = _deltas(tokenizer, prompt, ids, groups, python_window, monkeypatch)
+        assert "".join(grouped) == full
