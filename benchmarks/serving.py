@@ -9,7 +9,8 @@ Targets, measured in interleaved rounds (A B C A B C ...) so a slow spell of the
 every target rather than on one:
 
 - inprocess: `AsyncEngine` over `LLMEngine` in this process, driven by asyncio (the model
-  loaded on one thread, every core on the engine thread, as a served worker does);
+  loaded on one thread, every core on the engine thread, thread count tuned while it steps,
+  as a served worker does);
 - colocated: `tandem serve --mode colocated --prefill-workers 0 --decode-workers 1` (one worker,
   every core);
 - 1p1d: `tandem serve --mode disaggregated --prefill-workers 1 --decode-workers 1` (the decode
@@ -413,12 +414,15 @@ def engine_session(model: Path, workload: Workload, args: argparse.Namespace) ->
     from engine.tokenizer import Tokenizer
 
     # What tandem serve gives its one colocated worker: every core on the engine thread (or
-    # --engine-threads), one on the thread that loads the model (so the process holds one OpenMP
-    # team, kernels/threads.py).
+    # --engine-threads), tuned as a served worker's are unless --engine-threads pins them, and
+    # one on the thread that loads the model (so the process holds one OpenMP team,
+    # kernels/threads.py).
     torch.set_num_threads(1)
     engine = LLMEngine(engine_config(model, args))
     threads = args.engine_threads or os.cpu_count() or 1
-    async_engine = AsyncEngine(engine, Tokenizer(model), num_threads=threads)
+    async_engine = AsyncEngine(
+        engine, Tokenizer(model), num_threads=threads, tune_threads=not args.engine_threads
+    )
     endpoint = EngineEndpoint(async_engine, args.request_timeout)
     return asyncio.run(_engine_rounds(endpoint, workload, args.concurrency))
 
@@ -664,9 +668,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                    help="KV cache per engine, e.g. 512MiB (default: 512MiB)")  # fmt: skip
     p.add_argument("--request-timeout", type=float, default=300.0, help="seconds per request")
     p.add_argument("--engine-threads", type=int, metavar="N",
-                   help="torch threads of every engine, in-process and served (default: the "
-                        "in-process engine and a colocated worker get every core; "
-                        "coordinator/builder.py splits them in 1P1D)")  # fmt: skip
+                   help="torch threads of every engine, in-process and served, pinned (default: "
+                        "the in-process engine and a colocated worker get every core, "
+                        "coordinator/builder.py splits them in 1P1D, and each engine uses as "
+                        "many of those as step fastest: engine/thread_tuner.py)")  # fmt: skip
     p.add_argument("--quick", action="store_true", help="1 round, concurrency 16, overhead model")
     p.add_argument("--json", type=Path, help="write the summary and every round here")
     args = p.parse_args(argv)

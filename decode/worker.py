@@ -52,10 +52,12 @@ class DecodeWorker:
         host: str = "127.0.0.1",
         verify_kv: bool = True,
         num_threads: int | None = None,
+        tune_threads: bool = False,
     ) -> None:
         """Serves `engine` (idle, owned by no thread yet) until shutdown(), which leaves it
         idle again for another role. `verify_kv`: tickets ask for the KV's checksums.
-        `num_threads`: the engine thread's cores (default: the caller's torch thread count)."""
+        `num_threads`: the engine thread's cores (default: the caller's torch thread count);
+        `tune_threads`: as many of them as step fastest (engine/thread_tuner.py)."""
         self.worker_id = worker_id
         self.verify_kv = verify_kv
         self.engine = engine
@@ -92,6 +94,7 @@ class DecodeWorker:
             self._crashed,
             housekeeping=self._expire_leases,
             num_threads=num_threads,
+            tune_threads=tune_threads,
         )
 
     # -- any thread ------------------------------------------------------------------------
@@ -284,7 +287,7 @@ class DecodeWorker:
             "decode",
             snapshot._replace(num_running=snapshot.num_running + len(self._leases)),
             **self.transfers.fields(),
-            **self.thread.steps.fields(),
+            **self.thread.step_fields(),
             requests_prefilled_locally=self.prefilled_locally,
         )
 

@@ -240,7 +240,7 @@ class PrefillWorker:
             "prefill",
             self.engine.snapshot(),
             **self.transfers.fields(),
-            **self.thread.steps.fields(),
+            **self.thread.step_fields(),
         )
 
     def _transfer_finished(
