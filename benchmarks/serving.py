@@ -124,6 +124,7 @@ PROMPT_SEED = 0
 WARMUP_REQUESTS = 8
 WARMUP_TOKENS = 16
 BUSY_METRIC = "tandem:engine_busy_seconds_total"
+THREADS_METRIC = "tandem:engine_threads"
 STATS_SETTLE_S = 2.5  # the coordinator refreshes worker stats every second
 START_TIMEOUT_S = 300.0
 STOP_TIMEOUT_S = 60.0
@@ -195,7 +196,10 @@ def silent_token_ids(tokenizer: PreTrainedTokenizerBase, vocab_size: int) -> lis
 
 class Endpoint(Protocol):
     """One target, up: sends a request and times it like `loadtest.client`; reads its engines'
-    busy seconds (None where it does not say)."""
+    busy seconds (None where it does not say) and keeps the thread count each engine's ops
+    used at that read (`threads`; empty where it does not say)."""
+
+    threads: dict[str, int]
 
     async def send(self, sample: SampleRequest) -> RequestResult: ...
 
@@ -217,6 +221,7 @@ class Round:
     duration_s: float
     busy: dict[str, float] | None  # worker -> busy fraction
     first_error: str | None
+    threads: dict[str, int] | None = None  # worker -> engine threads at the round's end
 
 
 async def drive(
@@ -258,6 +263,7 @@ async def measure(
         duration_s=wall_s,
         busy=busy_fractions(before, after, wall_s),
         first_error=next((r.error for r in results if r.error), None),
+        threads=dict(getattr(endpoint, "threads", {})) or None,
     )
 
 
@@ -290,12 +296,21 @@ def with_output_tokens(result: RequestResult, counter: TokenCounter) -> RequestR
 
 def busy_seconds(metrics_text: str) -> dict[str, float]:
     """Each worker's `tandem:engine_busy_seconds_total` from Prometheus text, keyed by worker."""
-    seconds = {}
+    return _per_worker(metrics_text, BUSY_METRIC)
+
+
+def engine_threads(metrics_text: str) -> dict[str, int]:
+    """Each worker's `tandem:engine_threads` (the count its thread tuning chose) by worker."""
+    return {w: int(v) for w, v in _per_worker(metrics_text, THREADS_METRIC).items()}
+
+
+def _per_worker(metrics_text: str, name: str) -> dict[str, float]:
+    values = {}
     for family in text_string_to_metric_families(metrics_text):
         for sample in family.samples:
-            if sample.name == BUSY_METRIC:
-                seconds[sample.labels.get("worker", "?")] = sample.value
-    return seconds
+            if sample.name == name:
+                values[sample.labels.get("worker", "?")] = sample.value
+    return values
 
 
 def busy_fractions(
@@ -321,6 +336,7 @@ def busy_fractions(
 class EngineEndpoint:
     engine: AsyncEngine
     timeout_s: float
+    threads: dict[str, int] = field(default_factory=dict)
 
     async def send(self, sample: SampleRequest) -> RequestResult:
         from protocol.sampling import SamplingParams
@@ -349,7 +365,9 @@ class EngineEndpoint:
 
     async def busy_seconds(self) -> dict[str, float]:
         # The engine thread's own step timer: the span the servers' counter covers.
-        return {"engine": float(self.engine.step_fields().get("engine_busy_seconds", 0.0))}
+        fields = self.engine.step_fields()
+        self.threads["engine"] = int(fields.get("engine_threads", 0))
+        return {"engine": float(fields.get("engine_busy_seconds", 0.0))}
 
 
 @dataclass
@@ -359,6 +377,7 @@ class HttpEndpoint:
     base_url: str
     timeout_s: float
     counts_busy: bool | None = None  # None until /metrics is first read
+    threads: dict[str, int] = field(default_factory=dict)
 
     async def send(self, sample: SampleRequest) -> RequestResult:
         payload = build_payload(self.target, sample, SAMPLING)
@@ -374,6 +393,7 @@ class HttpEndpoint:
             fetch = _get_text(self.client, self.base_url + "/metrics")
             status, text = await asyncio.wait_for(fetch, METRICS_TIMEOUT_S)
             seconds = busy_seconds(text) if status == 200 else {}
+            self.threads = engine_threads(text) if status == 200 else {}
         except (aiohttp.ClientError, TimeoutError, ValueError):  # ValueError: not Prometheus'
             seconds = {}
         self.counts_busy = bool(seconds)
@@ -539,9 +559,11 @@ def run_benchmark(models: dict[str, Path], args: argparse.Namespace, work: Path)
 
 def progress(r: Round) -> str:
     failed = f", {r.failed} failed (first: {r.first_error})" if r.failed else ""
+    threads = ", ".join(f"{w} {n}" for w, n in (r.threads or {}).items())
+    threads = f", engine threads {threads}" if threads else ""
     return (
         f"{r.output_tok_s:.1f} tok/s, TTFT p50 {r.ttft_p50_ms:.0f} ms, ITL p50 "
-        f"{r.itl_p50_ms:.1f} ms, busy {format_busy(r.busy)}{failed}"
+        f"{r.itl_p50_ms:.1f} ms, busy {format_busy(r.busy)}{threads}{failed}"
     )
 
 
