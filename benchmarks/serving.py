@@ -16,7 +16,8 @@ every target rather than on one:
 - 1p1d: `tandem serve --mode disaggregated --prefill-workers 1 --decode-workers 1` (the decode
   worker on every core, the prefill worker on cores / 2: `coordinator/builder.py`'s split);
 - 1p1d-shared (not a default): 1p1d with every worker on every core; colocated-tp2 (not a
-  default): one colocated worker of two tensor-parallel ranks;
+  default): one colocated worker of two tensor-parallel ranks; colocated-pinned (not a
+  default): colocated with `--no-thread-tuning` (every core, whatever else runs);
 - a peer given by `--peer NAME=URL`: any OpenAI-compatible server already running on this host
   (a vLLM CPU server, say), serving the one model given with `--models`. It runs all along, so it
   idles beside the other targets.
@@ -93,6 +94,9 @@ LAYOUTS = {  # served targets: their `tandem serve` layout flags
     # both cores whenever the prefill worker idles.
     "1p1d-shared": ("--mode", "disaggregated", "--prefill-workers", "1", "--decode-workers", "1",
                     "--threads-per-worker", str(os.cpu_count() or 1)),
+    # Not a default: the colocated worker on every core, its thread count not tuned.
+    "colocated-pinned": ("--mode", "colocated", "--prefill-workers", "0", "--decode-workers", "1",
+                         "--no-thread-tuning"),
     # Not in the default targets: SmolLM2-135M's 9 heads do not split 2 ways (overhead's do).
     "colocated-tp2": ("--mode", "colocated", "--prefill-workers", "0", "--decode-workers", "1",
                       "--tensor-parallel-size", "2"),
