@@ -11,7 +11,11 @@ Per layout, one `tandem serve` process:
      steps that started while a prefill worker was in a step (on this machine they share two
      cores and run 3-4x slower) are left out of the fit with --fit-interference, and their
      median slowdown over the model becomes the simulated deployment's
-     `prefill_interference` (off by default: see docs/architecture.md for what it measured);
+     `prefill_interference` (off by default: see docs/architecture.md for what it measured).
+     Disaggregated layouts: the median handover of its requests (`tandem:kv_handover_seconds`,
+     the end of a prefill step to the first token leaving the coordinator: the KV's last
+     layers, the result's way back, the dispatch) becomes the simulated handover
+     (`--no-handover` leaves it at 0, as before);
   2. per mix and load: `tandem bench` with Poisson arrivals at that fraction of capacity, and the
      simulator on the very same prompts and arrival times (same dataset flags, tokenizer, seed).
 Reported: TTFT and ITL p50/p99 real vs simulated and their errors, and SLO attainment (share of
@@ -32,6 +36,7 @@ import tempfile
 from pathlib import Path
 
 import httpx
+from prometheus_client.parser import text_string_to_metric_families
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -145,6 +150,34 @@ def calibrate(
     return model, interference, statistics.median(gaps) if gaps else 0.0, len(records)
 
 
+def handover_buckets(url: str) -> dict[float, float]:
+    """The coordinator's `tandem:kv_handover_seconds` histogram: cumulative count by bound."""
+    text = httpx.get(f"{url}/metrics", timeout=30, trust_env=False).text
+    return {
+        float(sample.labels["le"]): sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if sample.name == "tandem:kv_handover_seconds_bucket"
+    }
+
+
+def bucket_median(before: dict[float, float], after: dict[float, float]) -> float:
+    """The median of what was observed between two reads of a cumulative histogram, linear
+    within its bucket; 0 when nothing was."""
+    counts = sorted((bound, after[bound] - before.get(bound, 0.0)) for bound in after)
+    if not counts or counts[-1][1] <= 0:
+        return 0.0
+    half = counts[-1][1] / 2
+    low, below = 0.0, 0.0
+    for bound, count in counts:
+        if count >= half:
+            if bound == float("inf"):
+                return low
+            return low + (bound - low) * (half - below) / max(count - below, 1e-12)
+        low, below = bound, count
+    return low
+
+
 def attainment(record: dict, ttft_ms: float, tpot_ms: float) -> float:
     good = 0
     rows = zip(record["ttfts"], record["latencies"], record["output_lens"], strict=True)
@@ -181,11 +214,15 @@ def run_layout(model: Path, layout: str, args: argparse.Namespace, work: Path) -
         server.wait_healthy(START_TIMEOUT_S)
         for mix in args.mixes:
             flags, spec = MIXES[mix]
+            handover_before = handover_buckets(server.url)
             calib = bench(server.url, model, flags, work / f"{layout}-{mix}-calib.json", [
                 "--num-prompts", str(args.calibration_prompts),
                 "--max-concurrency", str(CALIBRATION_CONCURRENCY), "--seed", "99",
             ])  # fmt: skip
             capacity = calib["request_throughput"]
+            handover = bucket_median(handover_before, handover_buckets(server.url))
+            if not args.handover:
+                handover = 0.0
             step, interference, gap, fitted = calibrate(
                 server.url, work, f"{layout}-{mix}", args.fit_interference
             )
@@ -207,13 +244,14 @@ def run_layout(model: Path, layout: str, args: argparse.Namespace, work: Path) -
                         prefill_interference=interference,
                     ),
                     Costs(step),
-                    Overheads(step_gap=gap, dispatch=args.dispatch_ms / 1e3),
+                    Overheads(step_gap=gap, dispatch=args.dispatch_ms / 1e3, handover=handover),
                 )
                 sim = simulated_record(Simulation(scenario, requests, load).run(), scenario, load)
                 row = {"layout": layout, "mix": mix, "load": fraction, "rate": rate,
                        "capacity_req_s": capacity, "fitted_steps": fitted,
                        "fit_heldout_mae_pct": step.stats.heldout_mae_pct,
                        "step_gap_ms": gap * 1e3, "prefill_interference": interference,
+                       "handover_ms": handover * 1e3,
                        **compare(real, sim, args)}  # fmt: skip
                 rows.append(row)
                 print(json.dumps(row), file=sys.stderr, flush=True)
@@ -264,6 +302,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--fit-interference",
         action="store_true",
         help="simulate decode steps beside a prefill step as slowed by their measured factor",
+    )
+    p.add_argument(
+        "--handover",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="simulate the handover measured in the calibration run (disaggregated layouts)",
     )
     p.add_argument("--json", type=Path, default=None)
     return p.parse_args(argv)

@@ -31,3 +31,13 @@ def test_decode_steps_that_start_inside_any_prefill_step_are_beside_it() -> None
     }
     beside = fidelity.beside_prefill(per_worker)
     assert beside == {id(inside_first), id(inside_second)}
+
+
+def test_the_handover_median_is_read_from_the_histograms_growth() -> None:
+    inf = float("inf")
+    before = {0.01: 5.0, 0.02: 5.0, 0.05: 5.0, inf: 5.0}  # 5 earlier requests, all under 10 ms
+    after = {0.01: 5.0, 0.02: 7.0, 0.05: 13.0, inf: 13.0}  # then 2 in 10-20 ms, 6 in 20-50 ms
+    # Of the 8 new ones the median (the 4th) lies in 20-50 ms, 2 of that bucket's 6 in.
+    assert fidelity.bucket_median(before, after) == 0.02 + 0.03 * 2 / 6
+    assert fidelity.bucket_median(after, after) == 0.0  # nothing new (a colocated layout)
+    assert fidelity.bucket_median({}, {0.01: 1.0, inf: 4.0}) == 0.01  # past the last bound
