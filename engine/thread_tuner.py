@@ -10,12 +10,13 @@ there); SmolLM2 at 16 streams, whose steps are 25 ms of linears, runs much faste
 (docs/performance.md, "Engine threads tuned while serving").
 
 So the engine thread times its steps: `hold_seconds` after the last probe it runs one, blocks
-of `block_steps` steps on each candidate count in turn, `blocks` rounds (interleaved, so that a
-change of load lands on every candidate), and keeps the count whose steps were fastest on
-average, if it beats the count in use by more than `margin` (so that noise does not flip it).
-The first step of each block is not counted (the team is re-formed then), nor the slowest
-eighth of each candidate's steps (a prefill that happened to land in one block). Steps of one
-probe are a second or two apart, so they have the same batch shapes in all but name. A probe
+of `block_steps` steps on each candidate count in turn, `blocks` rounds. Each round compares a
+candidate's mean step with the mean step of the count in use in the same round (a second or so
+apart: the same batch shapes in all but name, and a change of load lands on both), and the
+probe keeps the candidate whose median ratio over the rounds is lowest, if it is under
+1 - `margin` (so that noise does not flip it). The first step of each block is not counted (the
+team is re-formed then), nor the slowest eighth of a block's steps (a prefill that happened to
+land in it). A probe
 costs its steps on the slower counts (on SmolLM2, ~2% of 20 s): while probes keep the count,
 the hold doubles, up to MAX_HOLD_FACTOR times; a switch brings it back.
 """
@@ -23,6 +24,7 @@ the hold doubles, up to MAX_HOLD_FACTOR times; a switch brings it back.
 from __future__ import annotations
 
 import logging
+import statistics
 import time
 from collections.abc import Callable
 
@@ -31,9 +33,9 @@ log = logging.getLogger(__name__)
 HOLD_SECONDS = 20.0
 MAX_HOLD_FACTOR = 4
 BLOCK_STEPS = 8
-BLOCKS = 4
+BLOCKS = 6
 MARGIN = 0.05
-TRIM = 1 / 8  # the slowest share of a candidate's probe steps left out
+TRIM = 1 / 8  # the slowest share of a block's steps left out
 
 
 def candidate_counts(most: int) -> list[int]:
@@ -64,12 +66,13 @@ class ThreadTuner:
         self.margin = margin
         self._clock = clock
         self._probe_at = clock() + self.hold_seconds / 4  # the first probe: soon after start
-        self._plan: list[tuple[int, bool]] = []  # (count, counted) for each coming probe step
-        self._step: tuple[int, bool] | None = None  # what the step being timed runs
-        self._times: dict[int, list[float]] = {}
+        # (count, round, counted) for each coming probe step
+        self._plan: list[tuple[int, int, bool]] = []
+        self._step: tuple[int, int, bool] | None = None  # what the step being timed runs
+        self._times: dict[tuple[int, int], list[float]] = {}  # (count, round) -> step seconds
         self.probes = 0
         self.switches = 0
-        self.last_means: dict[int, float] = {}  # seconds per step of each count, last probe
+        self.last_ratios: dict[int, float] = {}  # each count's median step ratio, last probe
 
     def count(self) -> int:
         """The thread count for the next step."""
@@ -85,33 +88,40 @@ class ThreadTuner:
         """The step just taken took `seconds`."""
         if self._step is None:
             return
-        count, counted = self._step
+        count, round_, counted = self._step
         if counted:
-            self._times[count].append(seconds)
+            self._times.setdefault((count, round_), []).append(seconds)
         if not self._plan:
             self._decide()
 
     def _start_probe(self) -> None:
-        self._times = {count: [] for count in self.candidates}
-        for _ in range(self.blocks):
+        self._times = {}
+        for round_ in range(self.blocks):
             for count in self.candidates:
-                self._plan += [(count, False)] + [(count, True)] * (self.block_steps - 1)
+                block = [(count, round_, False)] + [(count, round_, True)] * (self.block_steps - 1)
+                self._plan += block
 
     def _decide(self) -> None:
-        means = {count: _trimmed_mean(times) for count, times in self._times.items()}
-        self.last_means = means
+        mean = {key: _trimmed_mean(times) for key, times in self._times.items()}
+        self.last_ratios = {
+            count: statistics.median(
+                mean[count, r] / max(mean[self.current, r], 1e-12) for r in range(self.blocks)
+            )
+            for count in self.candidates
+        }
         self.probes += 1
-        best = min(means, key=means.__getitem__)
-        if best == self.current or means[best] >= means[self.current] * (1 - self.margin):
+        best = min(self.last_ratios, key=self.last_ratios.__getitem__)
+        if self.last_ratios[best] >= 1 - self.margin:
             self._hold = min(self._hold * 2, self.hold_seconds * MAX_HOLD_FACTOR)
         else:
-            self._hold = self.hold_seconds
             log.info(
-                "engine threads %d -> %d (mean step %s)",
+                "engine threads %d -> %d (median step ratio to %d: %s)",
                 self.current,
                 best,
-                ", ".join(f"{c}: {m * 1e3:.2f} ms" for c, m in sorted(means.items())),
+                self.current,
+                ", ".join(f"{c}: {r:.2f}" for c, r in sorted(self.last_ratios.items())),
             )
+            self._hold = self.hold_seconds
             self.current = best
             self.switches += 1
         self._probe_at = self._clock() + self._hold

@@ -45,7 +45,7 @@ def test_a_probe_interleaves_blocks_and_switches_to_the_faster_count() -> None:
     probe = _run(tuner, clock, lambda count: 0.006 if count == 2 else 0.005, steps=24)
     assert probe == ([2] * 4 + [1] * 4) * 3
     assert tuner.current == 1 and tuner.switches == 1 and tuner.probes == 1
-    assert tuner.last_means == pytest.approx({2: 0.006, 1: 0.005})
+    assert tuner.last_ratios == pytest.approx({2: 1.0, 1: 5 / 6})
     assert _run(tuner, clock, lambda count: 0.005, steps=399) == [1] * 399  # held 4 s
 
 
@@ -61,8 +61,20 @@ def test_the_first_step_of_each_block_and_the_slowest_eighth_are_not_counted() -
     tuner = ThreadTuner(2, hold_seconds=0.0, block_steps=9, blocks=1, clock=clock)
     times = iter([1.0] + [0.004] * 7 + [0.9] + [1.0] + [0.005] * 8)  # count 2's block, then 1's
     _run(tuner, clock, lambda count: next(times), steps=18)
-    assert tuner.last_means == pytest.approx({2: 0.004, 1: 0.005})
+    assert tuner.last_ratios == pytest.approx({2: 1.0, 1: 0.005 / 0.004})
     assert tuner.current == 2
+
+
+def test_a_burst_in_one_round_does_not_decide() -> None:
+    # Count 1 steps faster, but a burst of prefill work lands on its whole block in round 0:
+    # each round is compared on its own, and the median of the rounds' ratios decides.
+    clock = FakeClock()
+    tuner = ThreadTuner(2, hold_seconds=0.0, clock=clock)  # 6 rounds of 8-step blocks
+    plan = [2] * 8 + [1] * 8
+    times = iter([0.006] * 8 + [0.02] * 8 + (([0.006] * 8 + [0.005] * 8) * 5))
+    assert _run(tuner, clock, lambda count: next(times), steps=96) == plan * 6
+    assert tuner.last_ratios[1] == pytest.approx(5 / 6)
+    assert tuner.current == 1
 
 
 def test_the_hold_doubles_while_probes_keep_the_count_and_resets_on_a_switch() -> None:
