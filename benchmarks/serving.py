@@ -9,15 +9,13 @@ Targets, measured in interleaved rounds (A B C A B C ...) so a slow spell of the
 every target rather than on one:
 
 - inprocess: `AsyncEngine` over `LLMEngine` in this process, driven by asyncio (the model
-  loaded on one thread, every core on the engine thread, thread count tuned while it steps,
-  as a served worker does);
+  loaded on one thread, every core on the engine thread, as a served worker does);
 - colocated: `tandem serve --mode colocated --prefill-workers 0 --decode-workers 1` (one worker,
   every core);
 - 1p1d: `tandem serve --mode disaggregated --prefill-workers 1 --decode-workers 1` (the decode
   worker on every core, the prefill worker on cores / 2: `coordinator/builder.py`'s split);
 - 1p1d-shared (not a default): 1p1d with every worker on every core; colocated-tp2 (not a
-  default): one colocated worker of two tensor-parallel ranks; colocated-pinned (not a
-  default): colocated with `--no-thread-tuning` (every core, whatever else runs);
+  default): one colocated worker of two tensor-parallel ranks;
 - a peer given by `--peer NAME=URL`: any OpenAI-compatible server already running on this host
   (a vLLM CPU server, say), serving the one model given with `--models`. It runs all along, so it
   idles beside the other targets.
@@ -94,9 +92,6 @@ LAYOUTS = {  # served targets: their `tandem serve` layout flags
     # both cores whenever the prefill worker idles.
     "1p1d-shared": ("--mode", "disaggregated", "--prefill-workers", "1", "--decode-workers", "1",
                     "--threads-per-worker", str(os.cpu_count() or 1)),
-    # Not a default: the colocated worker on every core, its thread count not tuned.
-    "colocated-pinned": ("--mode", "colocated", "--prefill-workers", "0", "--decode-workers", "1",
-                         "--no-thread-tuning"),
     # Not in the default targets: SmolLM2-135M's 9 heads do not split 2 ways (overhead's do).
     "colocated-tp2": ("--mode", "colocated", "--prefill-workers", "0", "--decode-workers", "1",
                       "--tensor-parallel-size", "2"),
@@ -128,7 +123,6 @@ PROMPT_SEED = 0
 WARMUP_REQUESTS = 8
 WARMUP_TOKENS = 16
 BUSY_METRIC = "tandem:engine_busy_seconds_total"
-THREADS_METRIC = "tandem:engine_threads"
 STATS_SETTLE_S = 2.5  # the coordinator refreshes worker stats every second
 START_TIMEOUT_S = 300.0
 STOP_TIMEOUT_S = 60.0
@@ -200,10 +194,7 @@ def silent_token_ids(tokenizer: PreTrainedTokenizerBase, vocab_size: int) -> lis
 
 class Endpoint(Protocol):
     """One target, up: sends a request and times it like `loadtest.client`; reads its engines'
-    busy seconds (None where it does not say) and keeps the thread count each engine's ops
-    used at that read (`threads`; empty where it does not say)."""
-
-    threads: dict[str, int]
+    busy seconds (None where it does not say)."""
 
     async def send(self, sample: SampleRequest) -> RequestResult: ...
 
@@ -225,7 +216,6 @@ class Round:
     duration_s: float
     busy: dict[str, float] | None  # worker -> busy fraction
     first_error: str | None
-    threads: dict[str, int] | None = None  # worker -> engine threads at the round's end
 
 
 async def drive(
@@ -267,7 +257,6 @@ async def measure(
         duration_s=wall_s,
         busy=busy_fractions(before, after, wall_s),
         first_error=next((r.error for r in results if r.error), None),
-        threads=dict(getattr(endpoint, "threads", {})) or None,
     )
 
 
@@ -300,21 +289,12 @@ def with_output_tokens(result: RequestResult, counter: TokenCounter) -> RequestR
 
 def busy_seconds(metrics_text: str) -> dict[str, float]:
     """Each worker's `tandem:engine_busy_seconds_total` from Prometheus text, keyed by worker."""
-    return _per_worker(metrics_text, BUSY_METRIC)
-
-
-def engine_threads(metrics_text: str) -> dict[str, int]:
-    """Each worker's `tandem:engine_threads` (the count its thread tuning chose) by worker."""
-    return {w: int(v) for w, v in _per_worker(metrics_text, THREADS_METRIC).items()}
-
-
-def _per_worker(metrics_text: str, name: str) -> dict[str, float]:
-    values = {}
+    seconds = {}
     for family in text_string_to_metric_families(metrics_text):
         for sample in family.samples:
-            if sample.name == name:
-                values[sample.labels.get("worker", "?")] = sample.value
-    return values
+            if sample.name == BUSY_METRIC:
+                seconds[sample.labels.get("worker", "?")] = sample.value
+    return seconds
 
 
 def busy_fractions(
@@ -340,7 +320,6 @@ def busy_fractions(
 class EngineEndpoint:
     engine: AsyncEngine
     timeout_s: float
-    threads: dict[str, int] = field(default_factory=dict)
 
     async def send(self, sample: SampleRequest) -> RequestResult:
         from protocol.sampling import SamplingParams
@@ -369,9 +348,7 @@ class EngineEndpoint:
 
     async def busy_seconds(self) -> dict[str, float]:
         # The engine thread's own step timer: the span the servers' counter covers.
-        fields = self.engine.step_fields()
-        self.threads["engine"] = int(fields.get("engine_threads", 0))
-        return {"engine": float(fields.get("engine_busy_seconds", 0.0))}
+        return {"engine": float(self.engine.step_fields().get("engine_busy_seconds", 0.0))}
 
 
 @dataclass
@@ -381,7 +358,6 @@ class HttpEndpoint:
     base_url: str
     timeout_s: float
     counts_busy: bool | None = None  # None until /metrics is first read
-    threads: dict[str, int] = field(default_factory=dict)
 
     async def send(self, sample: SampleRequest) -> RequestResult:
         payload = build_payload(self.target, sample, SAMPLING)
@@ -397,7 +373,6 @@ class HttpEndpoint:
             fetch = _get_text(self.client, self.base_url + "/metrics")
             status, text = await asyncio.wait_for(fetch, METRICS_TIMEOUT_S)
             seconds = busy_seconds(text) if status == 200 else {}
-            self.threads = engine_threads(text) if status == 200 else {}
         except (aiohttp.ClientError, TimeoutError, ValueError):  # ValueError: not Prometheus'
             seconds = {}
         self.counts_busy = bool(seconds)
@@ -438,15 +413,12 @@ def engine_session(model: Path, workload: Workload, args: argparse.Namespace) ->
     from engine.tokenizer import Tokenizer
 
     # What tandem serve gives its one colocated worker: every core on the engine thread (or
-    # --engine-threads), tuned as a served worker's are unless --engine-threads pins them, and
-    # one on the thread that loads the model (so the process holds one OpenMP team,
-    # kernels/threads.py).
+    # --engine-threads), one on the thread that loads the model (so the process holds one OpenMP
+    # team, kernels/threads.py).
     torch.set_num_threads(1)
     engine = LLMEngine(engine_config(model, args))
     threads = args.engine_threads or os.cpu_count() or 1
-    async_engine = AsyncEngine(
-        engine, Tokenizer(model), num_threads=threads, tune_threads=not args.engine_threads
-    )
+    async_engine = AsyncEngine(engine, Tokenizer(model), num_threads=threads)
     endpoint = EngineEndpoint(async_engine, args.request_timeout)
     return asyncio.run(_engine_rounds(endpoint, workload, args.concurrency))
 
@@ -563,11 +535,9 @@ def run_benchmark(models: dict[str, Path], args: argparse.Namespace, work: Path)
 
 def progress(r: Round) -> str:
     failed = f", {r.failed} failed (first: {r.first_error})" if r.failed else ""
-    threads = ", ".join(f"{w} {n}" for w, n in (r.threads or {}).items())
-    threads = f", engine threads {threads}" if threads else ""
     return (
         f"{r.output_tok_s:.1f} tok/s, TTFT p50 {r.ttft_p50_ms:.0f} ms, ITL p50 "
-        f"{r.itl_p50_ms:.1f} ms, busy {format_busy(r.busy)}{threads}{failed}"
+        f"{r.itl_p50_ms:.1f} ms, busy {format_busy(r.busy)}{failed}"
     )
 
 
@@ -694,10 +664,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                    help="KV cache per engine, e.g. 512MiB (default: 512MiB)")  # fmt: skip
     p.add_argument("--request-timeout", type=float, default=300.0, help="seconds per request")
     p.add_argument("--engine-threads", type=int, metavar="N",
-                   help="torch threads of every engine, in-process and served, pinned (default: "
-                        "the in-process engine and a colocated worker get every core, "
-                        "coordinator/builder.py splits them in 1P1D, and each engine uses as "
-                        "many of those as step fastest: engine/thread_tuner.py)")  # fmt: skip
+                   help="torch threads of every engine, in-process and served (default: the "
+                        "in-process engine and a colocated worker get every core; "
+                        "coordinator/builder.py splits them in 1P1D)")  # fmt: skip
     p.add_argument("--quick", action="store_true", help="1 round, concurrency 16, overhead model")
     p.add_argument("--json", type=Path, help="write the summary and every round here")
     args = p.parse_args(argv)

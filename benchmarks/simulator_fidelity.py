@@ -205,9 +205,7 @@ def run_layout(model: Path, layout: str, args: argparse.Namespace, work: Path) -
     prefill, decode = LAYOUTS[layout]
     mode = "colocated" if prefill == 0 else "disaggregated"
     serve = ["--model", str(model), "--mode", mode, "--prefill-workers", str(prefill),
-             "--decode-workers", str(decode), "--log-level", "warning",
-             "--no-thread-tuning"]  # fmt: skip
-    # --no-thread-tuning: every step on the same thread count, as the one cost model assumes.
+             "--decode-workers", str(decode), "--log-level", "warning"]  # fmt: skip
     tokenizer = LocalTokenizer(model)
     rows = []
     with ServeProcess(serve, work / f"{layout}.log") as server:

@@ -243,14 +243,6 @@ def _add_cluster_flags(g: argparse._ArgumentGroup) -> None:
         "cores / decode workers, as decode uses the cores prefill leaves idle)",
     )
     g.add_argument(
-        "--thread-tuning",
-        action=argparse.BooleanOptionalAction,
-        default=_deploy("thread_tuning"),
-        help="CPU decode workers at the default thread count time their steps while serving "
-        "and use fewer threads where those step faster (the HTTP server and other processes "
-        "share the cores); --threads-per-worker pins the count",
-    )
-    g.add_argument(
         "--placement-timeout",
         type=float,
         default=_deploy("placement_timeout"),
@@ -396,7 +388,6 @@ def deploy_config(args: argparse.Namespace) -> DeployConfig:
         routing=args.routing,
         placement_timeout=args.placement_timeout,
         threads_per_worker=args.threads_per_worker,
-        thread_tuning=args.thread_tuning,
         model_name=args.served_model_name,
         prefill_tp=args.prefill_tp,
         decode_tp=args.decode_tp,

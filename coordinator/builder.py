@@ -212,7 +212,6 @@ class WorkerSpawner:
         self.threads["decode"] = max(1, cores // max(1, self.ranks - prefill_ranks))
         if deploy.threads_per_worker:
             self.threads = dict.fromkeys(self.threads, deploy.threads_per_worker)
-        self.tune_threads = deploy.thread_tuning and not deploy.threads_per_worker
         self._next_index: dict[str, int] = {}
         self._groups: dict[str, Any] = {}  # worker id -> its placement group (TP > 1)
         self.worker_ranks: dict[str, int] = {}  # worker id -> its tensor-parallel ranks
@@ -257,7 +256,6 @@ class WorkerSpawner:
                 verify_kv=self.deploy.kv_checksum,
                 kv_fault=self.deploy.kv_fault,
                 placement=placement,
-                tune_threads=self.tune_threads,
             )
         )
         return worker_id, handle

@@ -26,8 +26,6 @@ class DeployConfig:
     local_prefill_threshold: int = 0  # tokens; shorter uncached prompts prefill on decode
     routing: str = "load"  # coordinator/router.py POLICIES
     threads_per_worker: int | None = None  # CPU only; default: coordinator/builder.py's split
-    thread_tuning: bool = True  # CPU decode workers at the default split use the count that
-    # steps fastest while serving (engine/thread_tuner.py); threads_per_worker pins it
     placement_timeout: float = 30.0  # seconds Ray may take to place each worker's process
     model_name: str | None = None  # served id; default: the model folder's name
     prefill_tp: int | None = None  # ranks per prefill worker; default: the engine's

@@ -52,12 +52,10 @@ class DecodeWorker:
         host: str = "127.0.0.1",
         verify_kv: bool = True,
         num_threads: int | None = None,
-        tune_threads: bool = False,
     ) -> None:
         """Serves `engine` (idle, owned by no thread yet) until shutdown(), which leaves it
         idle again for another role. `verify_kv`: tickets ask for the KV's checksums.
-        `num_threads`: the engine thread's cores (default: the caller's torch thread count);
-        `tune_threads`: as many of them as step fastest (engine/thread_tuner.py)."""
+        `num_threads`: the engine thread's cores (default: the caller's torch thread count)."""
         self.worker_id = worker_id
         self.verify_kv = verify_kv
         self.engine = engine
@@ -94,7 +92,6 @@ class DecodeWorker:
             self._crashed,
             housekeeping=self._expire_leases,
             num_threads=num_threads,
-            tune_threads=tune_threads,
         )
 
     # -- any thread ------------------------------------------------------------------------
@@ -287,7 +284,7 @@ class DecodeWorker:
             "decode",
             snapshot._replace(num_running=snapshot.num_running + len(self._leases)),
             **self.transfers.fields(),
-            **self.thread.step_fields(),
+            **self.thread.steps.fields(),
             requests_prefilled_locally=self.prefilled_locally,
         )
 

@@ -33,18 +33,12 @@ log = logging.getLogger(__name__)
 
 class AsyncEngine:
     def __init__(
-        self,
-        engine: LLMEngine,
-        tokenizer: Tokenizer,
-        num_threads: int | None = None,
-        tune_threads: bool = False,
+        self, engine: LLMEngine, tokenizer: Tokenizer, num_threads: int | None = None
     ) -> None:
         """`num_threads`: the engine thread's cores (default: the torch thread count of the
-        thread that calls start()); `tune_threads`: as many of them as step fastest
-        (engine/thread_tuner.py)."""
+        thread that calls start())."""
         self.engine = engine
         self.num_threads = num_threads
-        self.tune_threads = tune_threads
         self.tokenizer = tokenizer
         self._streams: dict[str, tuple[RequestState, asyncio.Queue]] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -60,7 +54,6 @@ class AsyncEngine:
             lambda: self.engine.has_unfinished,
             self._crashed,
             num_threads=self.num_threads,
-            tune_threads=self.tune_threads,
         )
 
     def shutdown(self, timeout: float = 10.0) -> None:
@@ -95,7 +88,7 @@ class AsyncEngine:
 
     def step_fields(self) -> dict[str, object]:
         """WorkerStats fields for the engine thread's step timings."""
-        return {} if self._thread is None else self._thread.step_fields()
+        return {} if self._thread is None else self._thread.steps.fields()
 
     def health(self) -> EngineHealth | None:
         """The engine thread's health; None before start()."""

@@ -13,7 +13,6 @@ from typing import Any
 
 import torch
 
-from engine.thread_tuner import ThreadTuner
 from kernels.threads import use_threads
 from protocol.stats import EngineHealth, StepTimer
 
@@ -30,19 +29,15 @@ class EngineThread:
         on_crash: Callable[[BaseException], None],
         housekeeping: Callable[[], None] | None = None,
         num_threads: int | None = None,
-        tune_threads: bool = False,
     ) -> None:
         """`housekeeping()` runs every loop turn, at least every IDLE_WAIT_SECONDS.
         `num_threads`: the cores the engine's ops use (default: the creator's torch count).
         Load the model on a thread kept at one torch thread, so that the engine thread's
-        OpenMP team is the process's only one (kernels/threads.py). `tune_threads`: use as
-        many of those as step fastest where the engine runs (engine/thread_tuner.py)."""
+        OpenMP team is the process's only one (kernels/threads.py)."""
         self._housekeeping = housekeeping
         # OpenMP thread counts are per thread: carry the creator's over unless told, or a fresh
         # thread would use every core whatever the worker was given.
         self._num_threads = num_threads or torch.get_num_threads()
-        self.tuner = ThreadTuner(self._num_threads) if tune_threads else None
-        self.threads_in_use = self._num_threads  # written by the engine thread only
         self._step = step
         self._has_work = has_work
         self._on_crash = on_crash
@@ -66,10 +61,6 @@ class EngineThread:
             if self._stop.is_set():  # stop() may have drained the queue just before the put
                 self._fail_pending(RuntimeError("engine thread stopped"))
         return future
-
-    def step_fields(self) -> dict[str, object]:
-        """WorkerStats fields for the steps' timings and the threads they use now."""
-        return {**self.steps.fields(), "engine_threads": self.threads_in_use}
 
     def health(self) -> EngineHealth:
         """Any thread may call it: it reads two fields and never waits on the engine."""
@@ -96,26 +87,14 @@ class EngineThread:
                 if self._housekeeping is not None:
                     self._housekeeping()
                 if self._has_work():
-                    self._use_tuned_threads()
                     started = time.perf_counter()
                     self._step()
-                    seconds = time.perf_counter() - started
-                    self.steps.seconds.observe(seconds)
-                    if self.tuner is not None:
-                        self.tuner.observe(seconds)
+                    self.steps.seconds.observe(time.perf_counter() - started)
         except BaseException as err:  # every caller must learn about it; nothing hangs
             log.exception("engine thread crashed")
             self.error = err
             self._on_crash(err)
             self._fail_pending(err)
-
-    def _use_tuned_threads(self) -> None:
-        if self.tuner is None:
-            return
-        count = self.tuner.count()
-        if count != self.threads_in_use:
-            use_threads(count)
-            self.threads_in_use = count
 
     def _run_calls(self, block: bool) -> None:
         try:

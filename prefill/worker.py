@@ -240,7 +240,7 @@ class PrefillWorker:
             "prefill",
             self.engine.snapshot(),
             **self.transfers.fields(),
-            **self.thread.step_fields(),
+            **self.thread.steps.fields(),
         )
 
     def _transfer_finished(

@@ -109,7 +109,6 @@ class WorkerStats:
     engine_busy_seconds: float = 0.0  # time its engine thread spent inside step()
     engine_step_count: int = 0
     engine_step_buckets: tuple[int, ...] = (0,) * len(TRANSFER_BUCKETS)  # cumulative counts
-    engine_threads: int = 0  # CPU threads its engine's ops use now (engine/thread_tuner.py)
 
     @classmethod
     def of(cls, worker: str, pool: str, engine: EngineSnapshot, **transfer: object) -> WorkerStats:

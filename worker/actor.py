@@ -50,17 +50,11 @@ class WorkerActor:
         verify_kv: bool = True,
         kv_fault: str | None = None,  # tests only: see kvtransfer/faults.py
         placement: tuple[Any, dict[str, float]] | None = None,  # TP: group, bundle resources
-        tune_threads: bool = False,
     ) -> None:
         # The engine thread alone runs parallel ops with `num_threads`; this thread loads the
         # model on one, so the process holds one OpenMP team (kernels/threads.py).
         use_threads(1)
         self.num_threads = num_threads
-        # Decode steps come back to back with like shapes, so their times compare; prefill
-        # steps differ too much in size for that. A tensor-parallel engine's ranks keep theirs.
-        self.tune_threads = (
-            tune_threads and config.device == "cpu" and config.tensor_parallel_size == 1
-        )
         self.worker_id = worker_id
         self.transfer_timeout = transfer_timeout
         self.verify_kv = verify_kv
@@ -100,7 +94,6 @@ class WorkerActor:
             self.host,
             self.verify_kv,
             num_threads=self.num_threads,
-            tune_threads=self.tune_threads,
         )
 
     # -- both roles ------------------------------------------------------------------------

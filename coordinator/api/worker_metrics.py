@@ -28,8 +28,6 @@ GAUGES = (
     ("tandem:kv_cache_usage_perc", "Fraction of KV blocks in use (1 = full).", "kv_cache_usage"),
     ("tandem:queued_prefill_tokens", "Prompt tokens waiting to be prefilled.",
      "queued_prefill_tokens"),
-    ("tandem:engine_threads", "CPU threads the worker's engine ops use now (a CPU worker tunes "
-     "it while serving: engine/thread_tuner.py).", "engine_threads"),
 )  # fmt: skip
 COUNTERS = (
     ("tandem:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",

@@ -67,16 +67,3 @@ def test_torch_threads_per_pool(monkeypatch, cores, deploy, expected) -> None:
     monkeypatch.setattr(ray, "cluster_resources", lambda: {"CPU": float(cores)})
     spawner = WorkerSpawner(EngineConfig(model="unused"), deploy)
     assert {pool: spawner.threads[pool] for pool in expected} == expected
-
-
-@pytest.mark.parametrize(
-    ("deploy", "tuned"),
-    [
-        (DeployConfig(num_prefill=1, num_decode=1), True),  # the default split: tuned
-        (DeployConfig(num_prefill=1, num_decode=1, thread_tuning=False), False),
-        (DeployConfig(num_prefill=1, num_decode=1, threads_per_worker=2), False),  # pinned
-    ],
-)
-def test_thread_tuning_only_at_the_default_split(monkeypatch, deploy, tuned) -> None:
-    monkeypatch.setattr(ray, "cluster_resources", lambda: {"CPU": 2.0})
-    assert WorkerSpawner(EngineConfig(model="unused"), deploy).tune_threads is tuned

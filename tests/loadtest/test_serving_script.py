@@ -29,10 +29,6 @@ tandem:engine_busy_seconds_total{model="m",pool="decode",worker="decode-0"} 10.0
 # HELP tandem:kv_cache_usage_perc Fraction of KV blocks in use (1 = full).
 # TYPE tandem:kv_cache_usage_perc gauge
 tandem:kv_cache_usage_perc{model="m",pool="decode",worker="decode-0"} 0.25
-# HELP tandem:engine_threads CPU threads the worker's engine ops use now.
-# TYPE tandem:engine_threads gauge
-tandem:engine_threads{model="m",pool="prefill",worker="prefill-0"} 1.0
-tandem:engine_threads{model="m",pool="decode",worker="decode-0"} 2.0
 """
 
 
@@ -43,10 +39,6 @@ def make_round(tok_s: float, busy: dict[str, float] | None = None, failed: int =
 def test_busy_seconds_reads_the_counter_of_every_worker() -> None:
     assert serving.busy_seconds(METRICS) == {"prefill-0": 1.5, "decode-0": 10.0}
     assert serving.busy_seconds("") == {}
-
-
-def test_engine_threads_reads_the_gauge_of_every_worker() -> None:
-    assert serving.engine_threads(METRICS) == {"prefill-0": 1, "decode-0": 2}
 
 
 def test_busy_fractions_divide_each_workers_increase_by_the_wall_time() -> None:
