@@ -11,7 +11,10 @@ Per layout, one `tandem serve` process:
      steps that started while a prefill worker was in a step (on this machine they share two
      cores and run 3-4x slower) are left out of the fit with --fit-interference, and their
      median slowdown over the model becomes the simulated deployment's
-     `prefill_interference` (off by default: see docs/architecture.md for what it measured).
+     `prefill_interference`; prefill steps are fitted from a run before it whose requests
+     stop at their first token (nothing decodes), and the median slowdown of the calibration
+     run's prefill steps that started beside a decode step is its `decode_interference` (off
+     by default: see docs/architecture.md for what it measured).
      Disaggregated layouts: the median handover of its requests (`tandem:kv_handover_seconds`,
      the end of a prefill step to the first token leaving the coordinator: the KV's last
      layers, the result's way back, the dispatch) becomes the simulated handover
@@ -33,6 +36,8 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
@@ -96,12 +101,13 @@ def step_gap(records: list[StepRecord]) -> float:
     return statistics.median(gaps) if gaps else 0.0
 
 
-def beside_prefill(per_worker: dict[str, list[StepRecord]]) -> set[int]:
-    """ids of the decode workers' steps that started while a prefill worker was in a step."""
+def beside(per_worker: dict[str, list[StepRecord]], pool: str, other: str) -> set[int]:
+    """ids of the steps of `pool`'s workers that started while one of `other`'s was in a step
+    (pools told by the worker names: "prefill-0", "decode-1")."""
     spans = [
         sorted((s.end - s.seconds, s.end) for s in steps)
         for worker, steps in per_worker.items()
-        if worker.startswith("prefill")
+        if worker.startswith(other)
     ]
     starts = [[a for a, _ in span] for span in spans]
 
@@ -115,19 +121,29 @@ def beside_prefill(per_worker: dict[str, list[StepRecord]]) -> set[int]:
     return {
         id(s)
         for worker, steps in per_worker.items()
-        if worker.startswith("decode")
+        if worker.startswith(pool)
         for s in steps
         if inside(s.end - s.seconds)
     }
 
 
+@dataclass(frozen=True)
+class Calibration:
+    model: StepCostModel
+    prefill_interference: float  # a decode step beside a prefill step, over the model
+    decode_interference: float  # a prefill step beside a decode step, over the model
+    step_gap: float
+    fitted: int  # steps the model was fitted on
+
+
 def calibrate(
-    url: str, work: Path, name: str, interference: bool
-) -> tuple[StepCostModel, float, float, int]:
-    """The layout's step model (fitted on its served steps), the prefill interference, the step
-    gap, and the steps fitted. `interference`: the decode steps beside a prefill step are left
-    out of the fit and their median slowdown over the model is the simulator's
-    prefill_interference (else 1, and every step is fitted)."""
+    url: str, work: Path, name: str, interference: bool, alone: tuple[float, float] | None
+) -> Calibration:
+    """The layout's step model, fitted on its served steps, and the step gap. `interference`:
+    the model is fitted on steps that ran beside no step of the other pool (prefill steps from
+    the run in the `alone` window of wall time, where nothing decodes; decode steps after it
+    that started beside no prefill step), and the median slowdown over it of the steps that
+    did is each pool's interference; else every step is fitted and there is none."""
     reply = httpx.get(f"{url}/admin/telemetry?limit=4096", timeout=30, trust_env=False).json()
     path = work / f"{name}-telemetry.json"
     path.write_text(json.dumps(reply))
@@ -136,18 +152,32 @@ def calibrate(
         for worker, w in reply["workers"].items()
     }
     gaps = [step_gap(sorted(r, key=lambda s: s.end)) for r in per_worker.values() if len(r) > 2]
-    beside = beside_prefill(per_worker) if interference else set()
-    records = [s for steps in per_worker.values() for s in steps if id(s) not in beside]
+    gap = statistics.median(gaps) if gaps else 0.0
+    steps = [s for records in per_worker.values() for s in records]
+    if not interference or alone is None:
+        train, heldout = split_every(steps, 5)
+        model = fit(train, heldout, ProfileInfo(model=name, source="telemetry"))
+        return Calibration(model, 1.0, 1.0, gap, len(steps))
+    decode_beside = beside(per_worker, "decode", "prefill")
+    prefill_beside = beside(per_worker, "prefill", "decode")
+    start, end = alone
+    prefill_ids = {id(s) for w, records in per_worker.items() if w.startswith("prefill")
+                   for s in records}  # fmt: skip
+    records = [
+        s
+        for s in steps
+        if (id(s) in prefill_ids and start <= s.end <= end and id(s) not in prefill_beside)
+        or (id(s) not in prefill_ids and s.end > end and id(s) not in decode_beside)
+    ]
     train, heldout = split_every(records, 5)
     model = fit(train, heldout, ProfileInfo(model=name, source="telemetry"))
-    slowed = [
-        s.seconds / max(model.predict(s), 1e-9)
-        for steps in per_worker.values()
-        for s in steps
-        if id(s) in beside
-    ]
-    interference = max(1.0, statistics.median(slowed)) if len(slowed) >= MIN_BESIDE else 1.0
-    return model, interference, statistics.median(gaps) if gaps else 0.0, len(records)
+
+    def slowdown(ids: set[int]) -> float:
+        slowed = [s.seconds / max(model.predict(s), 1e-9) for s in steps
+                  if id(s) in ids and s.end > end]  # fmt: skip
+        return max(1.0, statistics.median(slowed)) if len(slowed) >= MIN_BESIDE else 1.0
+
+    return Calibration(model, slowdown(decode_beside), slowdown(prefill_beside), gap, len(records))
 
 
 def handover_buckets(url: str) -> dict[float, float]:
@@ -212,6 +242,14 @@ def run_layout(model: Path, layout: str, args: argparse.Namespace, work: Path) -
         server.wait_healthy(START_TIMEOUT_S)
         for mix in args.mixes:
             flags, spec = MIXES[mix]
+            alone = None
+            if args.fit_interference and prefill:  # prefill steps with nothing decoding
+                started = time.time()
+                bench(server.url, model, flags, work / f"{layout}-{mix}-alone.json", [
+                    "--num-prompts", str(args.calibration_prompts), "--random-output-len", "1",
+                    "--max-concurrency", str(CALIBRATION_CONCURRENCY), "--seed", "98",
+                ])  # fmt: skip
+                alone = (started, time.time())
             handover_before = handover_buckets(server.url)
             calib = bench(server.url, model, flags, work / f"{layout}-{mix}-calib.json", [
                 "--num-prompts", str(args.calibration_prompts),
@@ -221,9 +259,7 @@ def run_layout(model: Path, layout: str, args: argparse.Namespace, work: Path) -
             handover = bucket_median(handover_before, handover_buckets(server.url))
             if not args.handover:
                 handover = 0.0
-            step, interference, gap, fitted = calibrate(
-                server.url, work, f"{layout}-{mix}", args.fit_interference
-            )
+            cal = calibrate(server.url, work, f"{layout}-{mix}", args.fit_interference, alone)
             for fraction in args.loads:
                 rate = round(fraction * capacity, 3)
                 count = max(20, round(rate * args.duration))
@@ -239,16 +275,21 @@ def run_layout(model: Path, layout: str, args: argparse.Namespace, work: Path) -
                         prefill,
                         decode,
                         EngineLimits(args.num_kv_blocks),
-                        prefill_interference=interference,
+                        prefill_interference=cal.prefill_interference,
+                        decode_interference=cal.decode_interference,
                     ),
-                    Costs(step),
-                    Overheads(step_gap=gap, dispatch=args.dispatch_ms / 1e3, handover=handover),
+                    Costs(cal.model),
+                    Overheads(
+                        step_gap=cal.step_gap, dispatch=args.dispatch_ms / 1e3, handover=handover
+                    ),  # fmt: skip
                 )
                 sim = simulated_record(Simulation(scenario, requests, load).run(), scenario, load)
                 row = {"layout": layout, "mix": mix, "load": fraction, "rate": rate,
-                       "capacity_req_s": capacity, "fitted_steps": fitted,
-                       "fit_heldout_mae_pct": step.stats.heldout_mae_pct,
-                       "step_gap_ms": gap * 1e3, "prefill_interference": interference,
+                       "capacity_req_s": capacity, "fitted_steps": cal.fitted,
+                       "fit_heldout_mae_pct": cal.model.stats.heldout_mae_pct,
+                       "step_gap_ms": cal.step_gap * 1e3,
+                       "prefill_interference": cal.prefill_interference,
+                       "decode_interference": cal.decode_interference,
                        "handover_ms": handover * 1e3,
                        **compare(real, sim, args)}  # fmt: skip
                 rows.append(row)
@@ -299,7 +340,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--fit-interference",
         action="store_true",
-        help="simulate decode steps beside a prefill step as slowed by their measured factor",
+        help="fit prefill steps on a run where nothing decodes and decode steps on those beside "
+        "no prefill step, and simulate each kind beside the other as slowed by its measured "
+        "factor",
     )
     p.add_argument(
         "--handover",

@@ -111,6 +111,14 @@ def add_deployment_flags(p: argparse.ArgumentParser) -> None:
         help="CPU workers on one machine: a decode step that starts while a prefill worker is "
         "in a step takes X times as long (benchmarks/simulator_fidelity.py measures it)",
     )
+    g.add_argument(
+        "--decode-interference",
+        type=float,
+        default=1.0,
+        metavar="X",
+        help="the other way: a prefill step that starts while a decode worker is in a step "
+        "takes X times its cost alone",
+    )
     g.add_argument("--step-gap-ms", type=float, default=0.0, help="host time between steps")
     g.add_argument("--dispatch-ms", type=float, default=0.0, help="client send -> routed")
     g.add_argument("--handover-ms", type=float, default=0.0, help="KV landed -> first token out")
@@ -190,6 +198,7 @@ def scenario_from_args(args: argparse.Namespace) -> Scenario:
             late_after_s=None if args.late_after_ms is None else args.late_after_ms / 1e3,
             host_cores=args.host_cores,
             prefill_interference=args.prefill_interference,
+            decode_interference=args.decode_interference,
         )
     except SimulationError as err:
         raise CliError(str(err)) from None

@@ -371,15 +371,17 @@ class Simulation:
     def _slowdown(self, worker: SimWorker) -> float:
         """How much slower than modelled a step of `worker` starting now runs, when workers
         share a CPU host: the workers in a step (this one included) over the host's cores
-        (Deployment.host_cores), and a decode step beside a prefill step
-        (Deployment.prefill_interference)."""
+        (Deployment.host_cores), a decode step beside a prefill step
+        (Deployment.prefill_interference), and a prefill step beside a decode step
+        (Deployment.decode_interference)."""
         dep = self.scenario.deployment
         if not dep.shares_host:
             return 1.0
         busy = [w for w in self.workers.values() if w.alive and w.step_ends_at > self.now]
         factor = 1.0 if dep.host_cores is None else max(1.0, (1 + len(busy)) / dep.host_cores)
-        if worker.pool == "decode" and any(w.pool == "prefill" for w in busy):
-            factor *= dep.prefill_interference
+        other = "prefill" if worker.pool == "decode" else "decode"
+        if any(w.pool == other for w in busy):
+            factor *= dep.prefill_interference if other == "prefill" else dep.decode_interference
         return factor
 
     def _send_kv(self, worker: SimWorker, plan: StepPlan, seconds: float) -> dict[str, float]:

@@ -163,6 +163,15 @@ def test_a_decode_step_beside_a_prefill_step_takes_the_measured_slowdown():
     assert times(3.0) == pytest.approx([0.010, 0.020, 0.050, 0.060, 0.070, 0.025, 0.060, 0.070])
 
 
+def test_a_prefill_step_beside_a_decode_step_takes_the_measured_slowdown():
+    requests = [SimRequest(0.0, prompt(32, 1 << 20), 5), SimRequest(0.015, prompt(32, 1 << 21), 3)]
+    times = token_times(scenario(1, 1), requests, decode_interference=2.0)
+    # B's prefill step starts at 15 ms, inside A's decode step (10-20 ms): 2 x 10 ms, so its
+    # first token comes at 35 ms and it joins the decode step that starts at 40 ms. A's own
+    # steps are not slowed (prefill_interference is 1).
+    assert times == pytest.approx([0.010, 0.020, 0.030, 0.040, 0.050, 0.035, 0.050, 0.060])
+
+
 def test_max_concurrency_sends_the_next_request_when_one_finishes():
     requests = [SimRequest(0.0, prompt(32, (i + 1) << 20), 2) for i in range(3)]
     sim = Simulation(scenario(0, 1), requests, LoadConfig(max_concurrency=1))
