@@ -151,7 +151,13 @@ def calibrate(
         worker: [StepRecord(**{k: s[k] for k in StepRecord._fields}) for s in w.get("steps", [])]
         for worker, w in reply["workers"].items()
     }
-    gaps = [step_gap(sorted(r, key=lambda s: s.end)) for r in per_worker.values() if len(r) > 2]
+    # The host time between steps, from the workers that step back to back while busy: a
+    # prefill worker's pauses are mostly waits for the next prompt.
+    gaps = [
+        step_gap(sorted(records, key=lambda s: s.end))
+        for worker, records in per_worker.items()
+        if not worker.startswith("prefill") and len(records) > 2
+    ]
     gap = statistics.median(gaps) if gaps else 0.0
     steps = [s for records in per_worker.values() for s in records]
     if not interference or alone is None:
