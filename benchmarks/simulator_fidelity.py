@@ -6,19 +6,19 @@
 Per layout, one `tandem serve` process:
   1. calibration: `tandem bench` at --max-concurrency 16 (saturating); its request throughput is
      the layout's capacity, and the engine steps it ran (GET /admin/telemetry) are fitted into the
-     layout's step cost model, with the host gap between steps (what `tandem profile
-     --from-telemetry` does; the model is never fitted on the runs it is scored on). Decode
-     steps that started while a prefill worker was in a step (on this machine they share two
-     cores and run 3-4x slower) are left out of the fit with --fit-interference, and their
-     median slowdown over the model becomes the simulated deployment's
-     `prefill_interference`; prefill steps are fitted from a run before it whose requests
-     stop at their first token (nothing decodes), and the median slowdown of the calibration
-     run's prefill steps that started beside a decode step is its `decode_interference` (off
-     by default: see docs/architecture.md for what it measured).
-     Disaggregated layouts: the median handover of its requests (`tandem:kv_handover_seconds`,
-     the end of a prefill step to the first token leaving the coordinator: the KV's last
-     layers, the result's way back, the dispatch) becomes the simulated handover
-     (`--no-handover` leaves it at 0, as before);
+     layout's step cost model, with the host gap between the decode workers' steps (what `tandem
+     profile --from-telemetry` does; the model is never fitted on the runs it is scored on).
+     Disaggregated layouts share this machine's two cores, and a step of one pool that starts
+     while the other pool is in a step runs slower (a decode step beside a prefill step 3x, on
+     median). So the model is fitted on steps that ran alone: prefill steps from a run just
+     before, whose requests stop at their first token (nothing decodes), and the decode steps
+     of the calibration run that started beside no prefill step; the median slowdown over it of
+     the others becomes the simulated `prefill_interference` (decode steps beside prefill) and
+     `decode_interference` (prefill steps beside decode). `--no-fit-interference`: one model
+     fitted on every step, no interference (what docs/architecture.md compares it with). And
+     the median handover of the calibration run's requests (`tandem:kv_handover_seconds`, the
+     end of a prefill step to the first token leaving the coordinator: the KV's last layers,
+     the result's way back, the dispatch) becomes the simulated handover (`--no-handover`: 0);
   2. per mix and load: `tandem bench` with Poisson arrivals at that fraction of capacity, and the
      simulator on the very same prompts and arrival times (same dataset flags, tokenizer, seed).
 Reported: TTFT and ITL p50/p99 real vs simulated and their errors, and SLO attainment (share of
@@ -345,10 +345,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
         "--fit-interference",
-        action="store_true",
+        action=argparse.BooleanOptionalAction,
+        default=True,
         help="fit prefill steps on a run where nothing decodes and decode steps on those beside "
         "no prefill step, and simulate each kind beside the other as slowed by its measured "
-        "factor",
+        "factor (--no-fit-interference: one model fitted on every step, no interference)",
     )
     p.add_argument(
         "--handover",
