@@ -287,7 +287,7 @@ def run_layout(model: Path, layout: str, args: argparse.Namespace, work: Path) -
                     Costs(cal.model),
                     Overheads(
                         step_gap=cal.step_gap, dispatch=args.dispatch_ms / 1e3, handover=handover
-                    ),  # fmt: skip
+                    ),
                 )
                 sim = simulated_record(Simulation(scenario, requests, load).run(), scenario, load)
                 row = {"layout": layout, "mix": mix, "load": fraction, "rate": rate,
