@@ -49,6 +49,9 @@ class FakeTokenizer:
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
         return "".join(chr(ord("a") + t % 26) for t in token_ids)
 
+    def decode_stream(self, context: list[int], skip_special_tokens: bool) -> None:
+        return None  # not a `tokenizers` tokenizer: the detokenizer keeps its window in Python
+
 
 def text_of(token_ids: list[int]) -> str:
     return FakeTokenizer().decode(token_ids)
