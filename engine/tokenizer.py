@@ -37,6 +37,8 @@ class Tokenizer:
         self.hf: PreTrainedTokenizerBase = AutoTokenizer.from_pretrained(str(path))
         # The Rust tokenizer underneath a fast one (None for a slow, pure-Python tokenizer).
         self.backend: RustTokenizer | None = getattr(self.hf, "_tokenizer", None)
+        # Whether the Rust incremental decoder gives `decode`'s text (see decode_stream).
+        self._streams = self.backend is not None and not self._cleans_up_spaces()
 
     @property
     def has_chat_template(self) -> bool:
@@ -80,7 +82,7 @@ class Tokenizer:
         """A Rust incremental decoder primed with `context`, where it gives the same text as
         `decode`: None when transformers post-processes the decoded text (its clean-up of
         spaces before punctuation), or the tokenizer is not a `tokenizers` one."""
-        if self.backend is None or self._cleans_up_spaces():
+        if not self._streams:
             return None
         from tokenizers.decoders import DecodeStream
 
