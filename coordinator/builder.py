@@ -99,6 +99,10 @@ def build_client(engine: EngineConfig, deploy: DeployConfig) -> Coordinator:
     """Starts (or joins) Ray, places the workers, returns the Coordinator (await its ready())."""
     model = ModelConfig.from_pretrained(engine.model)
     planner = planner_setup(engine, deploy, model.path)  # its errors before Ray starts
+    late_after_s = None if planner is None else planner.planner.config.ttft_slo_s
+    # Every queue knows the TTFT objective: the coordinator's line for decode room, and each
+    # worker's waiting requests (past it, both serve the newest first).
+    engine = replace(engine, late_after_s=late_after_s)
     connect_ray(deploy.address)
     spawner = WorkerSpawner(engine, deploy)
     for pool in spawner.pools():  # before any worker starts: a clear error, not a dead actor
@@ -119,7 +123,7 @@ def build_client(engine: EngineConfig, deploy: DeployConfig) -> Coordinator:
             routing=deploy.routing,
             route_costs=route_costs(deploy, model.path),
             placement_timeout=deploy.placement_timeout,
-            late_after_s=None if planner is None else planner.planner.config.ttft_slo_s,
+            late_after_s=late_after_s,
             # Decode workers connect back to this process with their token updates.
             update_host="127.0.0.1" if deploy.address is None else ray.util.get_node_ip_address(),
         ),

@@ -360,7 +360,7 @@ class Coordinator:
                 result: PrefillResult | None = await self._unless_lost(
                     request,
                     self._call(
-                        self.prefill[prefill_id].prefill, work, ticket,
+                        self.prefill[prefill_id].prefill, request.aged(work), ticket,
                         timeout=self.config.prefill_timeout(len(work.token_ids)),
                     ),
                 )  # fmt: skip
@@ -420,7 +420,7 @@ class Coordinator:
             decode = self.decode[route.decode_id]
             try:
                 if route.prefill_id is None:
-                    await self._call(decode.add_local, work)
+                    await self._call(decode.add_local, request.aged(work))
                     ticket = None
                 else:
                     broken = request.broken_channel

@@ -60,6 +60,10 @@ class TrackedRequest:
             self.worker_request_id, self.prompt_ids, self.params, list(self.output_ids)
         )
 
+    def aged(self, work: WorkRequest) -> WorkRequest:
+        """`work` as it leaves for a worker: with how long ago the request arrived."""
+        return work._replace(age_s=time.monotonic() - self.arrived_at)
+
     def lose(self, reason: str) -> None:
         if not self.finished:
             self.lost_reason = reason

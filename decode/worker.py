@@ -195,8 +195,9 @@ class DecodeWorker:
 
     def _add_local(self, request: WorkRequest) -> None:
         self.engine.add_request(
-            request.request_id, request.prompt_ids, request.params, request.output_ids
-        )
+            request.request_id, request.prompt_ids, request.params, request.output_ids,
+            request.age_s,
+        )  # fmt: skip
         self.prefilled_locally += 1
 
     def _abort(self, request_id: str) -> bool:

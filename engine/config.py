@@ -112,6 +112,9 @@ class EngineConfig:
     # this many more tokens (scheduler.fits_with_headroom); 0: blocks for the prompt suffice.
     decode_headroom_tokens: int = 256
     seed: int = 0
+    # The TTFT objective, when one is set: past it, waiting requests go newest first
+    # (engine/scheduler.py). None: first come first served.
+    late_after_s: float | None = None
     tensor_parallel_size: int = 1  # ranks (devices, or CPU cores) the model is split across
     rank_timeout: float = 120.0  # seconds ranks may take to start, or to meet in a collective
 
@@ -130,6 +133,8 @@ class EngineConfig:
             raise ConfigError("decode_headroom_tokens must be at least 0")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ConfigError("num_kv_blocks must be at least 1")
+        if self.late_after_s is not None and self.late_after_s <= 0:
+            raise ConfigError("late_after_s must be above 0")
 
 
 def _read_json(path: Path, missing_ok: bool = False) -> dict[str, Any]:

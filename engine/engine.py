@@ -78,7 +78,10 @@ class LLMEngine:
         self.prefix_log: SeqLog[PrefixEvent] = SeqLog(PREFIX_LOG_SIZE)
         self.blocks.on_cache_change = self._prefix_changed
         self.scheduler = Scheduler(
-            SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens), self.blocks
+            SchedulerConfig(
+                config.max_num_seqs, config.max_num_batched_tokens, config.late_after_s
+            ),
+            self.blocks,
         )
         self.sequences: dict[str, Sequence] = {}  # queued or running here
         self.reserved: dict[str, Sequence] = {}  # blocks held, KV arriving from elsewhere
@@ -101,10 +104,14 @@ class LLMEngine:
         prompt_ids: list[int],
         params: SamplingParams,
         output_ids: Sequence_[int] = (),
+        age_s: float = 0.0,
     ) -> None:
         """Queues a request for prefill here. `output_ids` resumes a request that already
-        generated those tokens elsewhere: they count as output (penalties, max_tokens, seeds)."""
-        self.scheduler.add(self._new_sequence(request_id, prompt_ids, params, output_ids))
+        generated those tokens elsewhere: they count as output (penalties, max_tokens, seeds).
+        `age_s`: how long ago the request arrived (it waited elsewhere before it came here)."""
+        seq = self._new_sequence(request_id, prompt_ids, params, output_ids)
+        seq.arrival_time -= age_s
+        self.scheduler.add(seq)
 
     def _new_sequence(
         self,

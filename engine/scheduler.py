@@ -6,14 +6,19 @@ Works on Sequences, counts and block ids only; it never sees a tensor. Each step
      when the KV pool is full the newest running sequence is preempted (blocks freed, recomputed
      later from its prompt and output so far);
   2. waiting sequences, first come first served, start with whatever the prefix cache already
-     holds and compute a first chunk, while the token budget and `max_num_seqs` allow.
+     holds and compute a first chunk, while the token budget and `max_num_seqs` allow. With a
+     TTFT objective (`late_after_s`), once the oldest waiting request has waited past it the
+     newest goes first instead (adaptive LIFO, as the coordinator's line for decode room:
+     coordinator/room.py): under overload the oldest misses its objective whatever happens,
+     and serving it first would make every request behind it miss too. A preempted sequence
+     keeps its place at the front.
 """
 
 from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -53,6 +58,7 @@ def _grown(seq: Sequence, tokens: int, block_size: int) -> int:
 class SchedulerConfig:
     max_num_seqs: int
     max_num_batched_tokens: int
+    late_after_s: float | None = None  # the TTFT objective, when one is set: see the docstring
 
 
 class ScheduledChunk(NamedTuple):
@@ -96,9 +102,15 @@ class StepPlan:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, block_manager: BlockManager) -> None:
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        block_manager: BlockManager,
+        clock: Callable[[], float] = time.monotonic,  # the clock of Sequence.arrival_time
+    ) -> None:
         self.config = config
         self.blocks = block_manager
+        self.clock = clock
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
 
@@ -150,7 +162,7 @@ class Scheduler:
     def _admit_waiting(self, budget: int, chunks: list[ScheduledChunk]) -> int:
         bs = self.blocks.block_size
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
-            seq = self.waiting[0]
+            seq = self._next_waiting()
             hits = self.blocks.match_prefix(seq.token_ids, seq.block_hashes)
             if len(hits) * bs >= seq.num_tokens:  # always compute at least the last token
                 hits = hits[:-1]
@@ -166,13 +178,29 @@ class Scheduler:
             if seq.num_preemptions == 0:
                 seq.num_cached_prompt_tokens = num_cached
             if seq.first_scheduled_time is None:
-                seq.first_scheduled_time = time.monotonic()
+                seq.first_scheduled_time = self.clock()
             seq.status = SequenceStatus.RUNNING
-            self.waiting.popleft()
+            if seq is self.waiting[0]:
+                self.waiting.popleft()
+            else:
+                self.waiting.pop()
             self.running.append(seq)
             chunks.append(ScheduledChunk.of(seq, n))
             budget -= n
         return budget
+
+    def _next_waiting(self) -> Sequence:
+        """The oldest waiting sequence, or the newest once the oldest (not a preempted one) has
+        waited past `late_after_s`."""
+        oldest = self.waiting[0]
+        late_after = self.config.late_after_s
+        if (
+            late_after is None
+            or oldest.num_preemptions
+            or self.clock() - oldest.arrival_time <= late_after
+        ):
+            return oldest
+        return self.waiting[-1]
 
     def grow(self, seq: Sequence, num_tokens: int) -> bool:
         """Makes the block table cover `num_tokens`; False when the pool is too small."""

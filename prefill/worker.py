@@ -161,7 +161,9 @@ class PrefillWorker:
             max_tokens=num_out + 1,
             min_tokens=min(request.params.min_tokens, num_out + 1),
         )
-        self.engine.add_request(request.request_id, request.prompt_ids, params, request.output_ids)
+        self.engine.add_request(
+            request.request_id, request.prompt_ids, params, request.output_ids, request.age_s
+        )
         pending = _Pending(request, ticket, on_result)
         self._pending[request.request_id] = pending
         for leg in pending.legs:

@@ -9,12 +9,15 @@ from protocol.sampling import FinishReason, SamplingParams, TokenLogprobs
 
 class WorkRequest(NamedTuple):
     """A request as a worker receives it. `output_ids` are tokens it already generated elsewhere
-    (a request resumed after its worker died); they count as output, not prompt."""
+    (a request resumed after its worker died); they count as output, not prompt. `age_s`: how
+    long ago it reached the coordinator, so the worker knows when it arrived on its own clock
+    (a scheduler with a TTFT objective serves the newest first once the oldest is late)."""
 
     request_id: str
     prompt_ids: list[int]
     params: SamplingParams
     output_ids: list[int] = []
+    age_s: float = 0.0
 
     @property
     def token_ids(self) -> list[int]:

@@ -136,9 +136,9 @@ class Simulation:
             dep.route_costs,
         )
         for worker_id in prefill_ids:
-            self.workers[worker_id] = SimWorker(worker_id, "prefill", dep.engine)
+            self.workers[worker_id] = self._new_worker(worker_id, "prefill")
         for worker_id in decode_ids:
-            self.workers[worker_id] = SimWorker(worker_id, "decode", dep.engine)
+            self.workers[worker_id] = self._new_worker(worker_id, "decode")
         # Who holds what, in placing order (a set would re-place a dead worker's requests in an
         # order that changes from one process to the next).
         self._holders: dict[str, dict[Run, None]] = {w: {} for w in self.workers}
@@ -256,13 +256,14 @@ class Simulation:
         self.router.placed(route, ids, hashes)  # type: ignore[arg-type]
         if route.prefill_id is None:
             self._interrupt(decode)
-            seq.arrival_time = self.now
+            seq.arrival_time = run.sent_at
             decode.scheduler.add(seq)
             self._hold(run, route, decode_seq=seq)
             self._wake(decode)
             return
         prefill = self.workers[route.prefill_id]
         pseq = prefill.new_sequence(run.key, ids, num_prompt, run.request.output_len, hashes)
+        pseq.arrival_time = run.sent_at
         prefill.scheduler.add(pseq)
         self._hold(run, route, decode_seq=seq, prefill_seq=pseq)
         self._wake(prefill)
@@ -587,14 +588,16 @@ class Simulation:
         prefix = "prefill" if pool == "prefill" else "decode"
         number = len(self.workers)
         worker_id = f"{prefix}-{number}"
-        self.workers[worker_id] = worker = SimWorker(
-            worker_id, pool, self.scenario.deployment.engine
-        )
+        self.workers[worker_id] = worker = self._new_worker(worker_id, pool)
         worker.alive = False
         self._holders[worker_id] = {}
         self._joining[worker_id] = worker
         self.at(self.now + ready_in, self._join, worker)
         return worker_id
+
+    def _new_worker(self, worker_id: str, pool: str) -> SimWorker:
+        dep = self.scenario.deployment
+        return SimWorker(worker_id, pool, dep.engine, lambda: self.now, dep.late_after_s)
 
     def _join(self, worker: SimWorker) -> None:
         self._joining.pop(worker.worker_id, None)

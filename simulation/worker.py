@@ -7,6 +7,7 @@ made up. Reservations follow `LLMEngine.reserve` (prefix hits taken, blocks for 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from collections.abc import Sequence as Sequence_
 from dataclasses import dataclass, field
 
@@ -25,6 +26,8 @@ class SimWorker:
     worker_id: str
     pool: str  # "prefill" or "decode" (colocated workers are decode workers)
     limits: EngineLimits
+    clock: Callable[[], float]  # simulated time
+    late_after_s: float | None = None  # the TTFT objective: its scheduler's (engine/scheduler.py)
     blocks: BlockManager = field(init=False)
     scheduler: Scheduler = field(init=False)
     alive: bool = True
@@ -46,7 +49,9 @@ class SimWorker:
             (digest, stored)
         )
         self.scheduler = Scheduler(
-            SchedulerConfig(lim.max_num_seqs, lim.max_num_batched_tokens), self.blocks
+            SchedulerConfig(lim.max_num_seqs, lim.max_num_batched_tokens, self.late_after_s),
+            self.blocks,
+            self.clock,
         )
 
     def new_sequence(

@@ -73,9 +73,11 @@ def test_streams_exactly_the_output_with_first_token_from_prefill() -> None:
             OUTPUT[:5], text_of(OUTPUT[:5]), "length"
         )  # fmt: skip
         assert [o.finished for o in outputs] == [False] * (len(outputs) - 1) + [True]
-        assert cluster.prefill["prefill-0"].calls["prefill"][0][0] == WorkRequest(
+        [(work, _ticket)] = cluster.prefill["prefill-0"].calls["prefill"]
+        assert work._replace(age_s=0.0) == WorkRequest(
             "req-0#1", PROMPT, SamplingParams(max_tokens=5), []
         )
+        assert 0.0 < work.age_s < 5.0  # how long ago the request reached the coordinator
         assert cluster.decode["decode-0"].ids("reserve") == ["req-0#1"]
         assert "prefill" not in cluster.prefill["prefill-1"].calls
         assert cluster.decode["decode-0"].ids("abort") == []  # it finished there by itself
@@ -170,7 +172,10 @@ def test_prefill_worker_dying_mid_request_resumes_elsewhere_with_output_so_far()
         assert streamed_tokens(outputs) == OUTPUT[:6]
         assert cluster.prefill["prefill-0"].ids("prefill") == ["req-0#1", "req-0#2"]
         [(resumed, _ticket)] = cluster.prefill["prefill-1"].calls["prefill"]
-        assert resumed == WorkRequest("req-0#3", PROMPT, params, OUTPUT[:2])
+        assert resumed._replace(age_s=0.0) == WorkRequest("req-0#3", PROMPT, params, OUTPUT[:2])
+        # A retry keeps the request's age: it arrived when the first attempt did.
+        first = cluster.prefill["prefill-0"].calls["prefill"][0][0]
+        assert resumed.age_s > first.age_s > 0.0
 
     run(main())
 

@@ -145,3 +145,43 @@ def test_cached_prefix_blocks_count_as_taken_only_when_evictable() -> None:
     assert fits_with_headroom(blocks, [done], twin, hits, 4)  # 2 taken + 1 new <= 4
     longer = Sequence("c", list(owner.token_ids), 8, SamplingParams(max_tokens=100))
     assert not fits_with_headroom(blocks, [done], longer, hits, 12)  # 2 taken + 3 new > 4
+
+
+def test_once_the_oldest_waiter_is_late_the_newest_is_admitted_first() -> None:
+    """With a TTFT objective, the waiting line is first come first served until its oldest has
+    waited past the objective; then the newest goes first (it can still be on time). A
+    preempted sequence keeps its place at the front whatever its age."""
+    now = [0.0]
+    s = Scheduler(
+        SchedulerConfig(max_num_seqs=1, max_num_batched_tokens=64, late_after_s=2.0),
+        BlockManager(16, BS),
+        clock=lambda: now[0],
+    )
+    for i, name in enumerate("abc"):
+        waiter = seq(name, 4, first_token=10 * i + 1)
+        waiter.arrival_time = float(i)  # a at 0 s, b at 1 s, c at 2 s
+        s.add(waiter)
+    now[0] = 2.0  # a has waited exactly the objective: not late yet
+    assert [c.seq.request_id for c in run_step(s).chunks] == ["a"]
+    s.finish(s.running[0], FinishReason.STOP)
+    now[0] = 3.5  # b has waited 2.5 s: late, so c (1.5 s) goes first
+    assert [c.seq.request_id for c in run_step(s).chunks] == ["c"]
+    assert s.running[0].first_scheduled_time == 3.5
+    s._preempt(s.running.pop())  # c back at the front, preempted
+    now[0] = 10.0
+    assert [c.seq.request_id for c in run_step(s).chunks] == ["c"]
+    s.finish(s.running[0], FinishReason.STOP)
+    assert [c.seq.request_id for c in run_step(s).chunks] == ["b"]
+
+
+def test_without_an_objective_the_line_is_first_come_first_served() -> None:
+    s = make(max_seqs=1)
+    for i, name in enumerate("abc"):
+        waiter = seq(name, 4, first_token=10 * i + 1)
+        waiter.arrival_time = -100.0 + i  # long past any objective
+        s.add(waiter)
+    order = []
+    for _ in range(3):
+        order += [c.seq.request_id for c in run_step(s).chunks]
+        s.finish(s.running[0], FinishReason.STOP)
+    assert order == ["a", "b", "c"]

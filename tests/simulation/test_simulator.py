@@ -336,3 +336,24 @@ def test_under_overload_late_waiters_let_newer_requests_be_on_time():
         assert_nothing_held(sim)
         on_time[late_after] = sum(r.first_token_at - r.sent_at <= 0.5 for r in outcome.runs)
     assert on_time[0.5] > on_time[None] + 5
+
+
+def test_under_prefill_overload_late_prompts_let_newer_ones_be_on_time():
+    """The prefill worker is the bottleneck (decode has room for everyone): its scheduler's line
+    first come first served makes nearly everyone late once it is long; with the TTFT
+    objective the newest goes first while the oldest is late, and more are on time (the late
+    ones still finish, and nothing is left held)."""
+    load = LoadConfig(request_rate=20.0, seed=5)  # twice what the prefill worker serves
+    requests = synthetic_requests(DatasetConfig(RandomSpec(1000, 8), 80, seed=5), load)
+    costs = Costs(step_model(large_batch_rows=0.0001))  # a 1,000-token prompt: ~0.11 s
+    on_time = {}
+    for late_after in (None, 0.5):
+        base = scenario(1, 1, num_blocks=2000, costs=costs, max_num_seqs=2)
+        deployment = replace(base.deployment, late_after_s=late_after)
+        sim = Simulation(replace(base, deployment=deployment), requests, load)
+        outcome = sim.run()
+        assert all(r.error is None and r.num_output == 8 for r in outcome.runs)
+        assert_nothing_held(sim)
+        assert not sim.room.late_after_s or len(sim.room) == 0
+        on_time[late_after] = sum(r.first_token_at - r.sent_at <= 0.5 for r in outcome.runs)
+    assert on_time[0.5] > on_time[None] + 10
