@@ -53,7 +53,7 @@ from loadtest.token_count import LocalTokenizer  # noqa: E402
 from planning.cost_model import ProfileInfo, StepCostModel, fit  # noqa: E402
 from planning.records import split_every  # noqa: E402
 from protocol.telemetry import StepRecord  # noqa: E402
-from simulation.cluster import Simulation  # noqa: E402
+from simulation.cluster import Outcome, Simulation  # noqa: E402
 from simulation.deployment import Costs, Deployment, EngineLimits, Overheads, Scenario  # noqa: E402
 from simulation.report import simulated_record  # noqa: E402
 from simulation.workload import from_samples  # noqa: E402
@@ -136,6 +136,39 @@ class Calibration:
     fitted: int  # steps the model was fitted on
 
 
+def telemetry(url: str) -> dict:
+    """GET /admin/telemetry: each worker's recent engine steps."""
+    return httpx.get(f"{url}/admin/telemetry?limit=4096", timeout=30, trust_env=False).json()
+
+
+def steps_of(reply: dict) -> dict[str, list[StepRecord]]:
+    return {
+        worker: [StepRecord(**{k: s[k] for k in StepRecord._fields}) for s in w.get("steps", [])]
+        for worker, w in reply["workers"].items()
+    }
+
+
+def beside_share_real(url: str, start: float, end: float) -> float | None:
+    """Of the decode steps that ended in [start, end], the share that started while a prefill
+    worker was in a step (None without prefill workers or decode steps)."""
+    per_worker = steps_of(telemetry(url))
+    if not any(w.startswith("prefill") for w in per_worker):
+        return None
+    decode = [s for w, steps in per_worker.items() if w.startswith("decode")
+              for s in steps if start <= s.end <= end]  # fmt: skip
+    ids = beside(per_worker, "decode", "prefill")
+    return sum(id(s) in ids for s in decode) / len(decode) if decode else None
+
+
+def beside_share_sim(outcome: Outcome) -> float | None:
+    """The same share in a simulation (counted by the simulator as it slows those steps)."""
+    decode = [w for w in outcome.workers.values() if w.pool == "decode"]
+    steps = sum(w.num_steps for w in decode)
+    if steps == 0 or not any(w.pool == "prefill" for w in outcome.workers.values()):
+        return None
+    return sum(w.steps_beside for w in decode) / steps
+
+
 def calibrate(
     url: str, work: Path, name: str, interference: bool, alone: tuple[float, float] | None
 ) -> Calibration:
@@ -144,13 +177,10 @@ def calibrate(
     the run in the `alone` window of wall time, where nothing decodes; decode steps after it
     that started beside no prefill step), and the median slowdown over it of the steps that
     did is each pool's interference; else every step is fitted and there is none."""
-    reply = httpx.get(f"{url}/admin/telemetry?limit=4096", timeout=30, trust_env=False).json()
+    reply = telemetry(url)
     path = work / f"{name}-telemetry.json"
     path.write_text(json.dumps(reply))
-    per_worker = {
-        worker: [StepRecord(**{k: s[k] for k in StepRecord._fields}) for s in w.get("steps", [])]
-        for worker, w in reply["workers"].items()
-    }
+    per_worker = steps_of(reply)
     # The host time between steps, from the workers that step back to back while busy: a
     # prefill worker's pauses are mostly waits for the next prompt.
     gaps = [
@@ -269,10 +299,12 @@ def run_layout(model: Path, layout: str, args: argparse.Namespace, work: Path) -
             for fraction in args.loads:
                 rate = round(fraction * capacity, 3)
                 count = max(20, round(rate * args.duration))
+                started = time.time()
                 real = bench(server.url, model, flags, work / f"{layout}-{mix}-{fraction}.json", [
                     "--num-prompts", str(count), "--request-rate", str(rate),
                     "--seed", str(args.seed),
                 ])  # fmt: skip
+                share_real = beside_share_real(server.url, started, time.time())
                 load = LoadConfig(request_rate=rate, seed=args.seed)
                 samples = sample_requests(DatasetConfig(spec, count, args.seed), tokenizer)
                 requests = from_samples(samples, tokenizer.encode, load)
@@ -289,7 +321,8 @@ def run_layout(model: Path, layout: str, args: argparse.Namespace, work: Path) -
                         step_gap=cal.step_gap, dispatch=args.dispatch_ms / 1e3, handover=handover
                     ),
                 )
-                sim = simulated_record(Simulation(scenario, requests, load).run(), scenario, load)
+                outcome = Simulation(scenario, requests, load).run()
+                sim = simulated_record(outcome, scenario, load)
                 row = {"layout": layout, "mix": mix, "load": fraction, "rate": rate,
                        "capacity_req_s": capacity, "fitted_steps": cal.fitted,
                        "fit_heldout_mae_pct": cal.model.stats.heldout_mae_pct,
@@ -297,6 +330,9 @@ def run_layout(model: Path, layout: str, args: argparse.Namespace, work: Path) -
                        "prefill_interference": cal.prefill_interference,
                        "decode_interference": cal.decode_interference,
                        "handover_ms": handover * 1e3,
+                       # decode steps that started beside a prefill step: real, simulated
+                       "decode_beside_real": share_real,
+                       "decode_beside_sim": beside_share_sim(outcome),
                        **compare(real, sim, args)}  # fmt: skip
                 rows.append(row)
                 print(json.dumps(row), file=sys.stderr, flush=True)

@@ -382,6 +382,7 @@ class Simulation:
         factor = 1.0 if dep.host_cores is None else max(1.0, (1 + len(busy)) / dep.host_cores)
         other = "prefill" if worker.pool == "decode" else "decode"
         if any(w.pool == other for w in busy):
+            worker.steps_beside += 1
             factor *= dep.prefill_interference if other == "prefill" else dep.decode_interference
         return factor
 

@@ -41,6 +41,7 @@ class SimWorker:
     leap: Leap | None = None  # decode steps planned at once, played as time passes
     busy_seconds: float = 0.0
     num_steps: int = 0
+    steps_beside: int = 0  # of them, started while the other pool was in a step (shared host)
 
     def __post_init__(self) -> None:
         lim = self.limits

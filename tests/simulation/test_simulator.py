@@ -161,6 +161,13 @@ def test_a_decode_step_beside_a_prefill_step_takes_the_measured_slowdown():
     assert times(1.0) == pytest.approx([0.010, 0.020, 0.030, 0.040, 0.050, 0.025, 0.040, 0.050])
     # The decode step starting at 20 ms does so while B's prefill step runs: 3 x 10 ms.
     assert times(3.0) == pytest.approx([0.010, 0.020, 0.050, 0.060, 0.070, 0.025, 0.060, 0.070])
+    # The simulator counts that step (benchmarks/simulator_fidelity.py compares the share).
+    base = scenario(1, 1)
+    sim = Simulation(replace(base, deployment=replace(base.deployment, prefill_interference=3.0)),
+                     requests)  # fmt: skip
+    sim.run()
+    decode = sim.workers["decode-0"]
+    assert (decode.steps_beside, decode.num_steps) == (1, 4)  # steps at 10, 20, 50, 60 ms
 
 
 def test_a_prefill_step_beside_a_decode_step_takes_the_measured_slowdown():
