@@ -23,8 +23,10 @@ Per layout, one `tandem serve` process:
      simulator on the very same prompts and arrival times (same dataset flags, tokenizer, seed).
 Reported: TTFT and ITL p50/p99 real vs simulated and their errors, and SLO attainment (share of
 requests with TTFT and TPOT under --slo-ttft-ms / --slo-tpot-ms) in both, with its difference in
-percentage points. Targets (issue 17): TTFT p50 within 10%, p99 within 15%; ITL p50 within 5%,
-p99 within 10%; attainment within 2 points.
+percentage points, and the share of decode steps that started while a prefill worker was in a
+step, real (the run's telemetry) and simulated (what the interference factor slows). Targets
+(issue 17): TTFT p50 within 10%, p99 within 15%; ITL p50 within 5%, p99 within 10%; attainment
+within 2 points.
 """
 
 from __future__ import annotations
@@ -342,9 +344,9 @@ def run_layout(model: Path, layout: str, args: argparse.Namespace, work: Path) -
 def format_table(rows: list[dict]) -> str:
     head = (
         "| layout | mix | load | TTFT p50 real/sim ms (err) | TTFT p99 (err) | "
-        "ITL p50 (err) | ITL p99 (err) | SLO real/sim (pts) |"
+        "ITL p50 (err) | ITL p99 (err) | SLO real/sim (pts) | decode beside prefill real/sim |"
     )
-    lines = [head, "|---|---|---|---|---|---|---|---|"]
+    lines = [head, "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         cells = []
         for key in ("ttft_p50", "ttft_p99", "itl_p50", "itl_p99"):
@@ -352,8 +354,11 @@ def format_table(rows: list[dict]) -> str:
                 f"{r[key + '_real']:.0f}/{r[key + '_sim']:.0f} ({r[key + '_err_pct']:+.0f}%)"
             )
         slo = f"{r['slo_real']:.0%}/{r['slo_sim']:.0%} ({r['slo_diff_pts']:+.1f})"
+        shares = [r.get("decode_beside_real"), r.get("decode_beside_sim")]
+        beside_cell = "/".join("-" if x is None else f"{x:.0%}" for x in shares)
         lines.append(
-            f"| {r['layout']} | {r['mix']} | {r['load']:.0%} | {' | '.join(cells)} | {slo} |"
+            f"| {r['layout']} | {r['mix']} | {r['load']:.0%} | {' | '.join(cells)} | {slo} | "
+            f"{beside_cell} |"
         )
     met = {
         key: sum(abs(r[key + "_err_pct"]) <= limit for r in rows) for key, limit in TARGETS.items()

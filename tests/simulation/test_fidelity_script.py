@@ -1,6 +1,6 @@
 """benchmarks/simulator_fidelity.py without serving: which steps count as started beside a step
-of the other pool (the ones --fit-interference leaves out of the step model), and the handover
-read off the coordinator's histogram."""
+of the other pool (the ones --fit-interference leaves out of the step model), the share of a
+run's decode steps that did, and the handover read off the coordinator's histogram."""
 
 from __future__ import annotations
 
@@ -47,3 +47,27 @@ def test_the_handover_median_is_read_from_the_histograms_growth() -> None:
     assert fidelity.bucket_median(before, after) == 0.02 + 0.03 * 2 / 6
     assert fidelity.bucket_median(after, after) == 0.0  # nothing new (a colocated layout)
     assert fidelity.bucket_median({}, {0.01: 1.0, inf: 4.0}) == 0.01  # past the last bound
+
+
+def test_the_share_beside_prefill_counts_decode_steps_in_the_run_window_only(monkeypatch) -> None:
+    reply = {
+        "workers": {
+            "prefill-0": {"steps": [step(1.0, 0.2, 100)._asdict()]},  # 1.0 - 1.2 s
+            "decode-0": {
+                "steps": [
+                    s._asdict()
+                    for s in (
+                        step(0.5, 0.02),  # before the run window
+                        step(1.05, 0.02),  # beside the prefill step
+                        step(1.5, 0.02),
+                        step(1.6, 0.02),
+                        step(9.0, 0.02),  # beside nothing, after the window
+                    )
+                ]
+            },
+        }
+    }
+    monkeypatch.setattr(fidelity, "telemetry", lambda url: reply)
+    assert fidelity.beside_share_real("http://x", 1.0, 2.0) == 1 / 3
+    del reply["workers"]["prefill-0"]  # colocated: no prefill pool, no share
+    assert fidelity.beside_share_real("http://x", 1.0, 2.0) is None
