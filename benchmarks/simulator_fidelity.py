@@ -14,11 +14,12 @@ Per layout, one `tandem serve` process:
      before, whose requests stop at their first token (nothing decodes), and the decode steps
      of the calibration run that started beside no prefill step; the median slowdown over it of
      the others becomes the simulated `prefill_interference` (decode steps beside prefill) and
-     `decode_interference` (prefill steps beside decode). `--no-fit-interference`: one model
-     fitted on every step, no interference (what docs/architecture.md compares it with). And
-     the median handover of the calibration run's requests (`tandem:kv_handover_seconds`, the
-     end of a prefill step to the first token leaving the coordinator: the KV's last layers,
-     the result's way back, the dispatch) becomes the simulated handover (`--no-handover`: 0);
+     `decode_interference` (prefill steps beside decode); with `--draw-interference`, every
+     slowdown measured, each slowed step drawing one. `--no-fit-interference`: one model fitted
+     on every step, no interference (what docs/architecture.md compares it with). And the median
+     handover of the calibration run's requests (`tandem:kv_handover_seconds`, the end of a
+     prefill step to the first token leaving the coordinator: the KV's last layers, the
+     result's way back, the dispatch) becomes the simulated handover (`--no-handover`: 0);
   2. per mix and load: `tandem bench` with Poisson arrivals at that fraction of capacity, and the
      simulator on the very same prompts and arrival times (same dataset flags, tokenizer, seed).
 Reported: TTFT and ITL p50/p99 real vs simulated and their errors, and SLO attainment (share of
@@ -43,6 +44,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
+import numpy as np
 from prometheus_client.parser import text_string_to_metric_families
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -132,8 +134,10 @@ def beside(per_worker: dict[str, list[StepRecord]], pool: str, other: str) -> se
 @dataclass(frozen=True)
 class Calibration:
     model: StepCostModel
-    prefill_interference: float  # a decode step beside a prefill step, over the model
-    decode_interference: float  # a prefill step beside a decode step, over the model
+    # Each step's time over the model's, of the decode steps that started beside a prefill step
+    # and of the prefill steps beside a decode step (1: too few to tell, or not measured).
+    prefill_interference: float | tuple[float, ...]
+    decode_interference: float | tuple[float, ...]
     step_gap: float
     fitted: int  # steps the model was fitted on
 
@@ -177,8 +181,8 @@ def calibrate(
     """The layout's step model, fitted on its served steps, and the step gap. `interference`:
     the model is fitted on steps that ran beside no step of the other pool (prefill steps from
     the run in the `alone` window of wall time, where nothing decodes; decode steps after it
-    that started beside no prefill step), and the median slowdown over it of the steps that
-    did is each pool's interference; else every step is fitted and there is none."""
+    that started beside no prefill step), and the slowdowns over it of the steps that did are
+    each pool's interference factors; else every step is fitted and there is none."""
     reply = telemetry(url)
     path = work / f"{name}-telemetry.json"
     path.write_text(json.dumps(reply))
@@ -210,12 +214,30 @@ def calibrate(
     train, heldout = split_every(records, 5)
     model = fit(train, heldout, ProfileInfo(model=name, source="telemetry"))
 
-    def slowdown(ids: set[int]) -> float:
+    def slowdown(ids: set[int]) -> float | tuple[float, ...]:
         slowed = [s.seconds / max(model.predict(s), 1e-9) for s in steps
                   if id(s) in ids and s.end > end]  # fmt: skip
-        return max(1.0, statistics.median(slowed)) if len(slowed) >= MIN_BESIDE else 1.0
+        return tuple(sorted(slowed)) if len(slowed) >= MIN_BESIDE else 1.0
 
     return Calibration(model, slowdown(decode_beside), slowdown(prefill_beside), gap, len(records))
+
+
+def simulated(factors: float | tuple[float, ...], draw: bool) -> float | tuple[float, ...]:
+    """What the simulated deployment gets: every factor measured (each slowed step draws one),
+    or their median."""
+    if draw or not isinstance(factors, tuple):
+        return factors
+    return max(1.0, statistics.median(factors))
+
+
+def summary(factors: float | tuple[float, ...]) -> dict[str, float]:
+    """Measured interference factors in a report: how many, and their median and p90."""
+    values = factors if isinstance(factors, tuple) else (factors,)
+    return {
+        "count": len(values),
+        "median": statistics.median(values),
+        "p90": float(np.percentile(values, 90)),
+    }
 
 
 def handover_buckets(url: str) -> dict[float, float]:
@@ -315,8 +337,12 @@ def run_layout(model: Path, layout: str, args: argparse.Namespace, work: Path) -
                         prefill,
                         decode,
                         EngineLimits(args.num_kv_blocks),
-                        prefill_interference=cal.prefill_interference,
-                        decode_interference=cal.decode_interference,
+                        prefill_interference=simulated(
+                            cal.prefill_interference, args.draw_interference
+                        ),
+                        decode_interference=simulated(
+                            cal.decode_interference, args.draw_interference
+                        ),
                     ),
                     Costs(cal.model),
                     Overheads(
@@ -329,8 +355,8 @@ def run_layout(model: Path, layout: str, args: argparse.Namespace, work: Path) -
                        "capacity_req_s": capacity, "fitted_steps": cal.fitted,
                        "fit_heldout_mae_pct": cal.model.stats.heldout_mae_pct,
                        "step_gap_ms": cal.step_gap * 1e3,
-                       "prefill_interference": cal.prefill_interference,
-                       "decode_interference": cal.decode_interference,
+                       "prefill_interference": summary(cal.prefill_interference),
+                       "decode_interference": summary(cal.decode_interference),
                        "handover_ms": handover * 1e3,
                        # decode steps that started beside a prefill step: real, simulated
                        "decode_beside_real": share_real,
@@ -391,6 +417,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="fit prefill steps on a run where nothing decodes and decode steps on those beside "
         "no prefill step, and simulate each kind beside the other as slowed by its measured "
         "factor (--no-fit-interference: one model fitted on every step, no interference)",
+    )
+    p.add_argument(
+        "--draw-interference",
+        action="store_true",
+        help="each slowed step draws one of the slowdowns measured (default: their median)",
     )
     p.add_argument(
         "--handover",

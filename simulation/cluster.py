@@ -23,6 +23,7 @@ import gc
 import heapq
 import itertools
 import math
+import random
 from array import array
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -114,6 +115,7 @@ class Simulation:
         # host step one at a time: how long a step takes depends on who else is stepping.
         dep = scenario.deployment
         self.leaping = leaping and not dep.shares_host
+        self._draws = random.Random(0)  # measured interference factors: the same every run
         self.load = load or LoadConfig()
         self.max_attempts = max_attempts
         self.now = 0.0
@@ -383,7 +385,8 @@ class Simulation:
         other = "prefill" if worker.pool == "decode" else "decode"
         if any(w.pool == other for w in busy):
             worker.steps_beside += 1
-            factor *= dep.prefill_interference if other == "prefill" else dep.decode_interference
+            factors = dep.prefill_interference if other == "prefill" else dep.decode_interference
+            factor *= self._draws.choice(factors) if isinstance(factors, tuple) else factors
         return factor
 
     def _send_kv(self, worker: SimWorker, plan: StepPlan, seconds: float) -> dict[str, float]:

@@ -49,19 +49,25 @@ class Deployment:
     host_cores: float | None = None
     # Measured slowdown of a decode step that starts while a prefill worker is in a step, when
     # they share a CPU host (their threads preempt each other; fitted from telemetry by
-    # benchmarks/simulator_fidelity.py). 1: no interference (each worker on its own device).
-    prefill_interference: float = 1.0
+    # benchmarks/simulator_fidelity.py): one factor, or the factors measured, each such step
+    # drawing one of them (seeded: the same draws every run). 1: no interference (each worker
+    # on its own device).
+    prefill_interference: float | tuple[float, ...] = 1.0
     # The other way: a prefill step that starts while a decode worker is in a step, measured
     # against the prefill steps' cost alone. 1: none.
-    decode_interference: float = 1.0
+    decode_interference: float | tuple[float, ...] = 1.0
 
     def __post_init__(self) -> None:
         if self.prefill_workers < 0 or self.decode_workers < 1:
             raise SimulationError("a deployment needs >= 0 prefill and >= 1 decode workers")
         if self.host_cores is not None and self.host_cores <= 0:
             raise SimulationError("host_cores must be more than 0")
-        if self.prefill_interference < 1 or self.decode_interference < 1:
-            raise SimulationError("prefill_interference and decode_interference must be >= 1")
+        for factors in (self.prefill_interference, self.decode_interference):
+            if isinstance(factors, tuple):
+                if not factors or min(factors) <= 0:
+                    raise SimulationError("measured interference factors must be more than 0")
+            elif factors < 1:
+                raise SimulationError("prefill_interference and decode_interference must be >= 1")
         if self.routing not in POLICIES:
             raise SimulationError(f"routing must be one of {', '.join(POLICIES)}")
 

@@ -71,3 +71,11 @@ def test_the_share_beside_prefill_counts_decode_steps_in_the_run_window_only(mon
     assert fidelity.beside_share_real("http://x", 1.0, 2.0) == 1 / 3
     del reply["workers"]["prefill-0"]  # colocated: no prefill pool, no share
     assert fidelity.beside_share_real("http://x", 1.0, 2.0) is None
+
+
+def test_the_simulated_interference_is_the_median_unless_each_step_draws() -> None:
+    measured = (1.5, 2.0, 2.5, 11.0)
+    assert fidelity.simulated(measured, draw=False) == 2.25
+    assert fidelity.simulated(measured, draw=True) == measured
+    assert fidelity.simulated((0.8, 0.9, 1.0), draw=False) == 1.0  # never faster than alone
+    assert fidelity.simulated(1.0, draw=False) == 1.0  # too few measured: none

@@ -179,6 +179,17 @@ def test_a_prefill_step_beside_a_decode_step_takes_the_measured_slowdown():
     assert times == pytest.approx([0.010, 0.020, 0.030, 0.040, 0.050, 0.035, 0.050, 0.060])
 
 
+def test_measured_interference_factors_are_drawn_the_same_way_every_run():
+    requests = [SimRequest(0.0, prompt(32, 1 << 20), 5), SimRequest(0.015, prompt(32, 1 << 21), 3)]
+    base = scenario(1, 1)
+    one = token_times(base, requests, prefill_interference=(3.0,))
+    assert one == token_times(base, requests, prefill_interference=3.0)
+    drawn = token_times(base, requests, prefill_interference=(2.0, 4.0))
+    assert drawn == token_times(base, requests, prefill_interference=(2.0, 4.0))
+    # The one slowed step (A's, starting at 20 ms beside B's prefill) took 2 or 4 x 10 ms.
+    assert drawn[2] - drawn[1] in (pytest.approx(0.020), pytest.approx(0.040))
+
+
 def test_max_concurrency_sends_the_next_request_when_one_finishes():
     requests = [SimRequest(0.0, prompt(32, (i + 1) << 20), 2) for i in range(3)]
     sim = Simulation(scenario(0, 1), requests, LoadConfig(max_concurrency=1))
