@@ -14,12 +14,13 @@ Per layout, one `tandem serve` process:
      before, whose requests stop at their first token (nothing decodes), and the decode steps
      of the calibration run that started beside no prefill step; the median slowdown over it of
      the others becomes the simulated `prefill_interference` (decode steps beside prefill) and
-     `decode_interference` (prefill steps beside decode); with `--draw-interference`, every
-     slowdown measured, each slowed step drawing one. `--no-fit-interference`: one model fitted
-     on every step, no interference (what docs/architecture.md compares it with). And the median
-     handover of the calibration run's requests (`tandem:kv_handover_seconds`, the end of a
-     prefill step to the first token leaving the coordinator: the KV's last layers, the
-     result's way back, the dispatch) becomes the simulated handover (`--no-handover`: 0);
+     `decode_interference` (prefill steps beside decode); `--interference mean` takes their
+     mean, `draw` all of them, each slowed step drawing one. `--no-fit-interference`: one
+     model fitted on every step, no interference (what docs/architecture.md compares it with).
+     And the median handover of the calibration run's requests (`tandem:kv_handover_seconds`,
+     the end of a prefill step to the first token leaving the coordinator: the KV's last
+     layers, the result's way back, the dispatch) becomes the simulated handover
+     (`--no-handover`: 0);
   2. per mix and load: `tandem bench` with Poisson arrivals at that fraction of capacity, and the
      simulator on the very same prompts and arrival times (same dataset flags, tokenizer, seed).
 Reported: TTFT and ITL p50/p99 real vs simulated and their errors, and SLO attainment (share of
@@ -79,6 +80,7 @@ MIXES = {  # name: (dataset flags, spec)
 CALIBRATION_CONCURRENCY = 16
 MIN_BESIDE = 5  # decode steps beside a prefill step needed to measure their slowdown
 MAX_STEP_GAP_S = 0.05  # longer pauses between steps are idle time, not per-step host work
+POOL_STATS = ("decode_beside", "prefill_steps", "prefill_seconds")
 TARGETS = {"ttft_p50": 10, "ttft_p99": 15, "itl_p50": 5, "itl_p99": 10}  # % error allowed
 
 
@@ -154,25 +156,40 @@ def steps_of(reply: dict) -> dict[str, list[StepRecord]]:
     }
 
 
-def beside_share_real(url: str, start: float, end: float) -> float | None:
-    """Of the decode steps that ended in [start, end], the share that started while a prefill
-    worker was in a step (None without prefill workers or decode steps)."""
+def pools_real(url: str, start: float, end: float) -> dict[str, float | None]:
+    """Of the steps that ended in [start, end]: the share of decode steps that started while a
+    prefill worker was in a step, and the prefill steps' count and seconds (None without a
+    prefill pool)."""
     per_worker = steps_of(telemetry(url))
     if not any(w.startswith("prefill") for w in per_worker):
-        return None
-    decode = [s for w, steps in per_worker.items() if w.startswith("decode")
-              for s in steps if start <= s.end <= end]  # fmt: skip
+        return dict.fromkeys(POOL_STATS)
     ids = beside(per_worker, "decode", "prefill")
-    return sum(id(s) in ids for s in decode) / len(decode) if decode else None
+
+    def in_run(pool: str) -> list[StepRecord]:
+        return [s for w, steps in per_worker.items() if w.startswith(pool)
+                for s in steps if start <= s.end <= end]  # fmt: skip
+
+    decode, prefill = in_run("decode"), in_run("prefill")
+    return {
+        "decode_beside": sum(id(s) in ids for s in decode) / len(decode) if decode else None,
+        "prefill_steps": len(prefill),
+        "prefill_seconds": sum(s.seconds for s in prefill),
+    }
 
 
-def beside_share_sim(outcome: Outcome) -> float | None:
-    """The same share in a simulation (counted by the simulator as it slows those steps)."""
-    decode = [w for w in outcome.workers.values() if w.pool == "decode"]
+def pools_sim(outcome: Outcome) -> dict[str, float | None]:
+    """The same in a simulation (the decode steps it slowed as beside a prefill step)."""
+    workers = outcome.workers.values()
+    decode = [w for w in workers if w.pool == "decode"]
+    prefill = [w for w in workers if w.pool == "prefill"]
     steps = sum(w.num_steps for w in decode)
-    if steps == 0 or not any(w.pool == "prefill" for w in outcome.workers.values()):
-        return None
-    return sum(w.steps_beside for w in decode) / steps
+    if not prefill:
+        return dict.fromkeys(POOL_STATS)
+    return {
+        "decode_beside": sum(w.steps_beside for w in decode) / steps if steps else None,
+        "prefill_steps": sum(w.num_steps for w in prefill),
+        "prefill_seconds": sum(w.busy_seconds for w in prefill),
+    }
 
 
 def calibrate(
@@ -222,12 +239,13 @@ def calibrate(
     return Calibration(model, slowdown(decode_beside), slowdown(prefill_beside), gap, len(records))
 
 
-def simulated(factors: float | tuple[float, ...], draw: bool) -> float | tuple[float, ...]:
-    """What the simulated deployment gets: every factor measured (each slowed step draws one),
-    or their median."""
-    if draw or not isinstance(factors, tuple):
+def simulated(factors: float | tuple[float, ...], how: str) -> float | tuple[float, ...]:
+    """What the simulated deployment gets of the factors measured: "draw", all of them (each
+    slowed step draws one); "median" or "mean", that one factor (never below 1)."""
+    if how == "draw" or not isinstance(factors, tuple):
         return factors
-    return max(1.0, statistics.median(factors))
+    one = statistics.median(factors) if how == "median" else statistics.fmean(factors)
+    return max(1.0, one)
 
 
 def summary(factors: float | tuple[float, ...]) -> dict[str, float]:
@@ -328,7 +346,7 @@ def run_layout(model: Path, layout: str, args: argparse.Namespace, work: Path) -
                     "--num-prompts", str(count), "--request-rate", str(rate),
                     "--seed", str(args.seed),
                 ])  # fmt: skip
-                share_real = beside_share_real(server.url, started, time.time())
+                pools = pools_real(server.url, started, time.time())
                 load = LoadConfig(request_rate=rate, seed=args.seed)
                 samples = sample_requests(DatasetConfig(spec, count, args.seed), tokenizer)
                 requests = from_samples(samples, tokenizer.encode, load)
@@ -337,12 +355,8 @@ def run_layout(model: Path, layout: str, args: argparse.Namespace, work: Path) -
                         prefill,
                         decode,
                         EngineLimits(args.num_kv_blocks),
-                        prefill_interference=simulated(
-                            cal.prefill_interference, args.draw_interference
-                        ),
-                        decode_interference=simulated(
-                            cal.decode_interference, args.draw_interference
-                        ),
+                        prefill_interference=simulated(cal.prefill_interference, args.interference),
+                        decode_interference=simulated(cal.decode_interference, args.interference),
                     ),
                     Costs(cal.model),
                     Overheads(
@@ -358,9 +372,9 @@ def run_layout(model: Path, layout: str, args: argparse.Namespace, work: Path) -
                        "prefill_interference": summary(cal.prefill_interference),
                        "decode_interference": summary(cal.decode_interference),
                        "handover_ms": handover * 1e3,
-                       # decode steps that started beside a prefill step: real, simulated
-                       "decode_beside_real": share_real,
-                       "decode_beside_sim": beside_share_sim(outcome),
+                       # decode steps started beside a prefill step; prefill steps, seconds
+                       **{f"{k}_real": v for k, v in pools.items()},
+                       **{f"{k}_sim": v for k, v in pools_sim(outcome).items()},
                        **compare(real, sim, args)}  # fmt: skip
                 rows.append(row)
                 print(json.dumps(row), file=sys.stderr, flush=True)
@@ -370,9 +384,10 @@ def run_layout(model: Path, layout: str, args: argparse.Namespace, work: Path) -
 def format_table(rows: list[dict]) -> str:
     head = (
         "| layout | mix | load | TTFT p50 real/sim ms (err) | TTFT p99 (err) | "
-        "ITL p50 (err) | ITL p99 (err) | SLO real/sim (pts) | decode beside prefill real/sim |"
+        "ITL p50 (err) | ITL p99 (err) | SLO real/sim (pts) | decode beside prefill real/sim | "
+        "prefill steps, s real/sim |"
     )
-    lines = [head, "|---|---|---|---|---|---|---|---|---|"]
+    lines = [head, "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         cells = []
         for key in ("ttft_p50", "ttft_p99", "itl_p50", "itl_p99"):
@@ -382,9 +397,15 @@ def format_table(rows: list[dict]) -> str:
         slo = f"{r['slo_real']:.0%}/{r['slo_sim']:.0%} ({r['slo_diff_pts']:+.1f})"
         shares = [r.get("decode_beside_real"), r.get("decode_beside_sim")]
         beside_cell = "/".join("-" if x is None else f"{x:.0%}" for x in shares)
+        prefill_cell = "-"
+        if r.get("prefill_steps_real") is not None:
+            prefill_cell = (
+                f"{r['prefill_steps_real']}, {r['prefill_seconds_real']:.1f}/"
+                f"{r['prefill_steps_sim']}, {r['prefill_seconds_sim']:.1f}"
+            )
         lines.append(
             f"| {r['layout']} | {r['mix']} | {r['load']:.0%} | {' | '.join(cells)} | {slo} | "
-            f"{beside_cell} |"
+            f"{beside_cell} | {prefill_cell} |"
         )
     met = {
         key: sum(abs(r[key + "_err_pct"]) <= limit for r in rows) for key, limit in TARGETS.items()
@@ -419,9 +440,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "factor (--no-fit-interference: one model fitted on every step, no interference)",
     )
     p.add_argument(
-        "--draw-interference",
-        action="store_true",
-        help="each slowed step draws one of the slowdowns measured (default: their median)",
+        "--interference",
+        choices=("median", "mean", "draw"),
+        default="median",
+        help="what a slowed step takes of the slowdowns measured: their median, their mean, or "
+        "one drawn from them all",
     )
     p.add_argument(
         "--handover",

@@ -8,6 +8,8 @@ import importlib.util
 import sys
 from pathlib import Path
 
+import pytest
+
 from protocol.telemetry import StepRecord
 
 SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "simulator_fidelity.py"
@@ -68,14 +70,17 @@ def test_the_share_beside_prefill_counts_decode_steps_in_the_run_window_only(mon
         }
     }
     monkeypatch.setattr(fidelity, "telemetry", lambda url: reply)
-    assert fidelity.beside_share_real("http://x", 1.0, 2.0) == 1 / 3
-    del reply["workers"]["prefill-0"]  # colocated: no prefill pool, no share
-    assert fidelity.beside_share_real("http://x", 1.0, 2.0) is None
+    pools = fidelity.pools_real("http://x", 1.0, 2.0)
+    assert pools["decode_beside"] == 1 / 3
+    assert (pools["prefill_steps"], pools["prefill_seconds"]) == (1, pytest.approx(0.2))
+    del reply["workers"]["prefill-0"]  # colocated: no prefill pool, nothing to tell
+    assert fidelity.pools_real("http://x", 1.0, 2.0) == dict.fromkeys(fidelity.POOL_STATS)
 
 
-def test_the_simulated_interference_is_the_median_unless_each_step_draws() -> None:
-    measured = (1.5, 2.0, 2.5, 11.0)
-    assert fidelity.simulated(measured, draw=False) == 2.25
-    assert fidelity.simulated(measured, draw=True) == measured
-    assert fidelity.simulated((0.8, 0.9, 1.0), draw=False) == 1.0  # never faster than alone
-    assert fidelity.simulated(1.0, draw=False) == 1.0  # too few measured: none
+def test_the_simulated_interference_is_the_median_the_mean_or_every_factor() -> None:
+    measured = (1.5, 2.0, 2.5, 10.0)
+    assert fidelity.simulated(measured, "median") == 2.25
+    assert fidelity.simulated(measured, "mean") == 4.0
+    assert fidelity.simulated(measured, "draw") == measured
+    assert fidelity.simulated((0.8, 0.9, 1.0), "median") == 1.0  # never faster than alone
+    assert fidelity.simulated(1.0, "mean") == 1.0  # too few measured: none
