@@ -25,10 +25,10 @@ Per layout, one `tandem serve` process:
      simulator on the very same prompts and arrival times (same dataset flags, tokenizer, seed).
 Reported: TTFT and ITL p50/p99 real vs simulated and their errors, and SLO attainment (share of
 requests with TTFT and TPOT under --slo-ttft-ms / --slo-tpot-ms) in both, with its difference in
-percentage points, and the share of decode steps that started while a prefill worker was in a
-step, real (the run's telemetry) and simulated (what the interference factor slows). Targets
-(issue 17): TTFT p50 within 10%, p99 within 15%; ITL p50 within 5%, p99 within 10%; attainment
-within 2 points.
+percentage points; and, real (the run's telemetry) and simulated, the share of decode steps
+that started while a prefill worker was in a step, and the prefill pool's steps and busy
+seconds. Targets (issue 17): TTFT p50 within 10%, p99 within 15%; ITL p50 within 5%, p99
+within 10%; attainment within 2 points.
 """
 
 from __future__ import annotations
