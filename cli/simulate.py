@@ -86,9 +86,9 @@ def add_deployment_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--late-after-ms",
         type=float,
-        help="the coordinator's TTFT objective (tandem serve takes it from --planner-slo): a "
-        "request waiting for decode room longer is late, and the line serves the newest first "
-        "while its oldest is",
+        help="the TTFT objective (tandem serve takes it from --planner-slo): a request waiting "
+        "longer is late, and both the line for decode room and each worker's prompts waiting "
+        "for prefill serve the newest first while their oldest is",
     )
     g.add_argument(
         "--decode-headroom-tokens",
