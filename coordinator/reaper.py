@@ -3,7 +3,8 @@ cluster: gcs, raylet, agents, workers) if `tandem serve` itself dies without sto
 SIGKILL for instance. Ray's gcs and raylet share the driver's fate, but its agents outlive it.
 
     serve ──pipe──> reaper (own session)      every 0.5 s: the serve process's descendants
-    serve dies -> pipe closes -> reaper SIGKILLs the last descendants it saw (same start times)
+    serve dies -> pipe closes -> reaper SIGKILLs the last descendants it saw (same start times);
+    a scan that overlapped the death is dropped for the one before it
 
 Run as `python -m coordinator.reaper PID` with stdin the read end of a pipe the serve process
 holds open; `start_reaper()` does that. Linux only (/proc); elsewhere it is not started.
@@ -74,21 +75,33 @@ def reap(seen: dict[int, str]) -> None:
                 os.kill(pid, signal.SIGKILL)
 
 
-def watch(serve_pid: int) -> None:
+def last_scan(serve_pid: int, pipe: int, scan=descendants) -> dict[int, str]:
+    """Scans `serve_pid`'s descendants every SCAN_S until it dies; returns the last scan taken
+    while it was surely alive. A scan that overlaps the death may have missed children already
+    handed to init, so it is dropped: the kernel closes a dying process's files (our pipe)
+    before it hands its children on, so a pipe at end of file after the scan says so."""
     seen: dict[int, str] = {}
-    while True:
-        ready, _, _ = select.select([sys.stdin], [], [], SCAN_S)
-        if ready and not os.read(sys.stdin.fileno(), 1):  # end of file: the serve process died
-            break
-        current = descendants(serve_pid)
-        # Also gone without closing the pipe (a forked child could still hold it): keep the
-        # previous scan, since this one may have missed children already handed to init.
-        if not Path(f"/proc/{serve_pid}").exists():
+    while not _died(serve_pid, pipe, SCAN_S):
+        current = scan(serve_pid)
+        if _died(serve_pid, pipe, 0):
             break
         seen = current
-    reap(seen)
+    return seen
+
+
+def _died(serve_pid: int, pipe: int, wait_s: float) -> bool:
+    """True once the pipe is at end of file or the serve process is gone or a zombie (gone
+    without closing the pipe: a forked child could still hold it)."""
+    ready, _, _ = select.select([pipe], [], [], wait_s)
+    if ready and not os.read(pipe, 1):
+        return True
+    try:
+        state = Path(f"/proc/{serve_pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return True
+    return state in ("Z", "X")
 
 
 if __name__ == "__main__":
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a Ctrl-C is for the server, not for us
-    watch(int(sys.argv[1]))
+    reap(last_scan(int(sys.argv[1]), sys.stdin.fileno()))

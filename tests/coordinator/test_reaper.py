@@ -3,6 +3,7 @@ parent that starts the reaper and a grandchild of its own)."""
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import sys
@@ -63,3 +64,21 @@ def reapers_of(pid: int) -> list[int]:
             if b"coordinator.reaper" in cmdline and str(pid).encode() in cmdline:
                 found.append(int(entry.name))
     return found
+
+
+def test_a_scan_that_overlaps_the_death_is_dropped_for_the_one_before() -> None:
+    from coordinator.reaper import last_scan
+
+    read_end, write_end = os.pipe()
+    scans = [{101: "7", 102: "8"}, {101: "7", 102: "8"}]
+
+    def scan(_pid: int) -> dict[int, str]:
+        if len(scans) == 0:  # the serve process dies mid-scan: its children already gone
+            os.close(write_end)
+            return {}
+        return scans.pop()
+
+    try:
+        assert last_scan(os.getpid(), read_end, scan) == {101: "7", 102: "8"}
+    finally:
+        os.close(read_end)
