@@ -60,6 +60,7 @@ from planning.records import split_every  # noqa: E402
 from protocol.telemetry import StepRecord  # noqa: E402
 from simulation.cluster import Outcome, Simulation  # noqa: E402
 from simulation.deployment import Costs, Deployment, EngineLimits, Overheads, Scenario  # noqa: E402
+from simulation.interference import factor_of  # noqa: E402
 from simulation.report import simulated_record  # noqa: E402
 from simulation.workload import from_samples  # noqa: E402
 
@@ -107,9 +108,10 @@ def step_gap(records: list[StepRecord]) -> float:
     return statistics.median(gaps) if gaps else 0.0
 
 
-def beside(per_worker: dict[str, list[StepRecord]], pool: str, other: str) -> set[int]:
-    """ids of the steps of `pool`'s workers that started while one of `other`'s was in a step
-    (pools told by the worker names: "prefill-0", "decode-1")."""
+def beside(per_worker: dict[str, list[StepRecord]], pool: str, other: str) -> dict[int, float]:
+    """The steps of `pool`'s workers that started while one of `other`'s was in a step (pools
+    told by the worker names: "prefill-0", "decode-1"): id -> seconds from its start to the end
+    of the last such step of `other` (the overlap simulation/interference.py slows)."""
     spans = [
         sorted((s.end - s.seconds, s.end) for s in steps)
         for worker, steps in per_worker.items()
@@ -117,20 +119,22 @@ def beside(per_worker: dict[str, list[StepRecord]], pool: str, other: str) -> se
     ]
     starts = [[a for a, _ in span] for span in spans]
 
-    def inside(t: float) -> bool:
+    def until(t: float) -> float | None:
+        ends = []
         for span, begun in zip(spans, starts, strict=True):
             i = bisect.bisect_right(begun, t) - 1
             if i >= 0 and span[i][1] > t:
-                return True
-        return False
+                ends.append(span[i][1])
+        return max(ends) - t if ends else None
 
-    return {
-        id(s)
-        for worker, steps in per_worker.items()
-        if worker.startswith(pool)
-        for s in steps
-        if inside(s.end - s.seconds)
-    }
+    found = {}
+    for worker, steps in per_worker.items():
+        if worker.startswith(pool):
+            for s in steps:
+                overlap = until(s.end - s.seconds)
+                if overlap is not None:
+                    found[id(s)] = overlap
+    return found
 
 
 @dataclass(frozen=True)
@@ -231,12 +235,21 @@ def calibrate(
     train, heldout = split_every(records, 5)
     model = fit(train, heldout, ProfileInfo(model=name, source="telemetry"))
 
-    def slowdown(ids: set[int]) -> float | tuple[float, ...]:
-        slowed = [s.seconds / max(model.predict(s), 1e-9) for s in steps
-                  if id(s) in ids and s.end > end]  # fmt: skip
-        return tuple(sorted(slowed)) if len(slowed) >= MIN_BESIDE else 1.0
+    def slowdown(overlaps: dict[int, float], pool: str) -> float | tuple[float, ...]:
+        """Each step's factor, as the simulator applies it: a decode step slowed for its overlap
+        with the prefill step (simulation/interference.py), a prefill step all along."""
+        factors = []
+        for s in steps:
+            if id(s) in overlaps and s.end > end:
+                alone = max(model.predict(s), 1e-9)
+                overlap = overlaps[id(s)] if pool == "decode" else s.seconds
+                factors.append(factor_of(s.seconds, alone, overlap))
+        return tuple(sorted(factors)) if len(factors) >= MIN_BESIDE else 1.0
 
-    return Calibration(model, slowdown(decode_beside), slowdown(prefill_beside), gap, len(records))
+    decode_factors = slowdown(decode_beside, "decode")
+    return Calibration(
+        model, decode_factors, slowdown(prefill_beside, "prefill"), gap, len(records)
+    )
 
 
 def simulated(factors: float | tuple[float, ...], how: str) -> float | tuple[float, ...]:

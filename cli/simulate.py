@@ -109,7 +109,8 @@ def add_deployment_flags(p: argparse.ArgumentParser) -> None:
         default=1.0,
         metavar="X",
         help="CPU workers on one machine: a decode step that starts while a prefill worker is "
-        "in a step takes X times as long (benchmarks/simulator_fidelity.py measures it)",
+        "in a step runs X times slower until that step ends (benchmarks/simulator_fidelity.py "
+        "measures it)",
     )
     g.add_argument(
         "--decode-interference",

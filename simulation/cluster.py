@@ -38,6 +38,7 @@ from engine.sequence import Sequence as EngineSequence
 from loadtest.config import LoadConfig
 from protocol.sampling import FinishReason
 from simulation.deployment import Scenario
+from simulation.interference import slowed
 from simulation.leap import Leap, cut, plan_leap, settle
 from simulation.worker import SimWorker
 from simulation.workload import SimRequest
@@ -366,28 +367,36 @@ class Simulation:
         if not plan.chunks:  # nothing fits until blocks free up; a finish wakes it
             worker.stepping = False
             return
-        seconds = max(self.scenario.costs.step.predict(plan.shape()), 1e-6) * self._slowdown(worker)
+        seconds = self._step_seconds(
+            worker, max(self.scenario.costs.step.predict(plan.shape()), 1e-6)
+        )
         worker.step_ends_at = self.now + seconds
         landed = self._send_kv(worker, plan, seconds) if worker.pool == "prefill" else {}
         self.at(self.now + seconds, self._end_step, worker, plan, seconds, landed, epoch)
 
-    def _slowdown(self, worker: SimWorker) -> float:
-        """How much slower than modelled a step of `worker` starting now runs, when workers
+    def _step_seconds(self, worker: SimWorker, seconds: float) -> float:
+        """How long a step of `worker` starting now lasts (`seconds` as modelled) when workers
         share a CPU host: the workers in a step (this one included) over the host's cores
-        (Deployment.host_cores), a decode step beside a prefill step
-        (Deployment.prefill_interference), and a prefill step beside a decode step
-        (Deployment.decode_interference)."""
+        (Deployment.host_cores); a decode step beside a prefill step slowed while that step
+        lasts (Deployment.prefill_interference, simulation/interference.py); a prefill step
+        beside a decode step slowed all along (Deployment.decode_interference: decode steps
+        follow each other back to back)."""
         dep = self.scenario.deployment
         if not dep.shares_host:
-            return 1.0
+            return seconds
         busy = [w for w in self.workers.values() if w.alive and w.step_ends_at > self.now]
-        factor = 1.0 if dep.host_cores is None else max(1.0, (1 + len(busy)) / dep.host_cores)
+        if dep.host_cores is not None:
+            seconds *= max(1.0, (1 + len(busy)) / dep.host_cores)
         other = "prefill" if worker.pool == "decode" else "decode"
-        if any(w.pool == other for w in busy):
-            worker.steps_beside += 1
-            factors = dep.prefill_interference if other == "prefill" else dep.decode_interference
-            factor *= self._draws.choice(factors) if isinstance(factors, tuple) else factors
-        return factor
+        beside = [w for w in busy if w.pool == other]
+        if not beside:
+            return seconds
+        worker.steps_beside += 1
+        factors = dep.prefill_interference if other == "prefill" else dep.decode_interference
+        factor = self._draws.choice(factors) if isinstance(factors, tuple) else factors
+        if worker.pool == "prefill":
+            return seconds * factor
+        return slowed(seconds, factor, max(w.step_ends_at for w in beside) - self.now)
 
     def _send_kv(self, worker: SimWorker, plan: StepPlan, seconds: float) -> dict[str, float]:
         """When each sampling chunk's KV has fully landed: layer l of every chunk is sent once

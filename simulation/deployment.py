@@ -49,9 +49,10 @@ class Deployment:
     host_cores: float | None = None
     # Measured slowdown of a decode step that starts while a prefill worker is in a step, when
     # they share a CPU host (their threads preempt each other; fitted from telemetry by
-    # benchmarks/simulator_fidelity.py): one factor, or the factors measured, each such step
-    # drawing one of them (seeded: the same draws every run). 1: no interference (each worker
-    # on its own device).
+    # benchmarks/simulator_fidelity.py): such a step runs X times slower until that prefill
+    # step ends, then at its own pace (simulation/interference.py). One factor, or the factors
+    # measured, each such step drawing one of them (seeded: the same draws every run). 1: no
+    # interference (each worker on its own device).
     prefill_interference: float | tuple[float, ...] = 1.0
     # The other way: a prefill step that starts while a decode worker is in a step, measured
     # against the prefill steps' cost alone. 1: none.

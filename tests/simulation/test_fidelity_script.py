@@ -32,13 +32,15 @@ def test_decode_steps_that_start_inside_any_prefill_step_are_beside_it() -> None
         "prefill-1": [step(3.0, 1.0, 800)],  # 3.0 - 4.0 s
         "decode-0": [before, inside_first, at_an_end, between, inside_second],
     }
+    # Each with its overlap: from its start to the end of the prefill step it started in.
     beside = fidelity.beside(per_worker, "decode", "prefill")
-    assert beside == {id(inside_first), id(inside_second)}
+    assert beside == pytest.approx({id(inside_first): 0.15, id(inside_second): 0.5})
     # The other way round: the prefill steps start at 1.0 s and 3.0 s, inside no decode step
     # (`between` ended at 2.9 s) until one is added that spans 3.0 s.
-    assert fidelity.beside(per_worker, "prefill", "decode") == set()
+    assert fidelity.beside(per_worker, "prefill", "decode") == {}
     per_worker["decode-0"].append(step(2.95, 0.1))  # 2.95 - 3.05 s: prefill-1 starts inside
-    assert fidelity.beside(per_worker, "prefill", "decode") == {id(per_worker["prefill-1"][0])}
+    overlaps = fidelity.beside(per_worker, "prefill", "decode")
+    assert overlaps == pytest.approx({id(per_worker["prefill-1"][0]): 0.05})
 
 
 def test_the_handover_median_is_read_from_the_histograms_growth() -> None:

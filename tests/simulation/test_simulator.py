@@ -159,8 +159,11 @@ def test_a_decode_step_beside_a_prefill_step_takes_the_measured_slowdown():
     # A prefilled 0-10 ms, then decodes in 10 ms steps; B prefills 15-25 ms and joins the
     # decode batch at the next step.
     assert times(1.0) == pytest.approx([0.010, 0.020, 0.030, 0.040, 0.050, 0.025, 0.040, 0.050])
-    # The decode step starting at 20 ms does so while B's prefill step runs: 3 x 10 ms.
-    assert times(3.0) == pytest.approx([0.010, 0.020, 0.050, 0.060, 0.070, 0.025, 0.060, 0.070])
+    # The decode step starting at 20 ms does so while B's prefill step runs, to 25 ms: 3x
+    # slower for those 5 ms, its own pace after them (5 + 10 - 5/3 ms).
+    step = 0.005 + 0.010 - 0.005 / 3
+    a3, a4, a5 = 0.020 + step, 0.030 + step, 0.040 + step
+    assert times(3.0) == pytest.approx([0.010, 0.020, a3, a4, a5, 0.025, a4, a5])
     # The simulator counts that step (benchmarks/simulator_fidelity.py compares the share).
     base = scenario(1, 1)
     sim = Simulation(replace(base, deployment=replace(base.deployment, prefill_interference=3.0)),
@@ -168,6 +171,20 @@ def test_a_decode_step_beside_a_prefill_step_takes_the_measured_slowdown():
     sim.run()
     decode = sim.workers["decode-0"]
     assert (decode.steps_beside, decode.num_steps) == (1, 4)  # steps at 10, 20, 50, 60 ms
+
+
+def test_a_decode_step_is_slowed_only_while_the_prefill_step_beside_it_lasts():
+    # Steps of 10 ms + 1 ms per row up to 16 rows: a 32-token prefill 26 ms, a decode step of
+    # one or two sequences 11 or 12 ms.
+    costs = Costs(step_model(small_batch_rows=0.001))
+    requests = [SimRequest(0.0, prompt(32, 1 << 20), 5), SimRequest(0.015, prompt(32, 1 << 21), 3)]
+    base = replace(scenario(1, 1), costs=costs)
+    times = token_times(base, requests, prefill_interference=2.0)
+    # A prefills 0-26 ms; B waits, then prefills 26-52 ms. A's decode step starting at 26 ms
+    # ends inside B's prefill (2 x 11 = 22 ms); the one starting at 48 ms is slowed for 4 ms,
+    # doing 2 of its 11 ms, then runs the other 9 alone: it ends at 61 ms, not 70. B joins the
+    # next step.
+    assert times == pytest.approx([0.026, 0.048, 0.061, 0.073, 0.085, 0.052, 0.073, 0.085])
 
 
 def test_a_prefill_step_beside_a_decode_step_takes_the_measured_slowdown():
@@ -186,8 +203,9 @@ def test_measured_interference_factors_are_drawn_the_same_way_every_run():
     assert one == token_times(base, requests, prefill_interference=3.0)
     drawn = token_times(base, requests, prefill_interference=(2.0, 4.0))
     assert drawn == token_times(base, requests, prefill_interference=(2.0, 4.0))
-    # The one slowed step (A's, starting at 20 ms beside B's prefill) took 2 or 4 x 10 ms.
-    assert drawn[2] - drawn[1] in (pytest.approx(0.020), pytest.approx(0.040))
+    # The one slowed step (A's, starting at 20 ms beside B's prefill, to 25 ms) drew 2 or 4.
+    slowed = (0.005 + 0.010 - 0.005 / 2, 0.005 + 0.010 - 0.005 / 4)
+    assert drawn[2] - drawn[1] in tuple(pytest.approx(x) for x in slowed)
 
 
 def test_max_concurrency_sends_the_next_request_when_one_finishes():

@@ -1,0 +1,33 @@
+"""How much longer a decode step takes beside a prefill step on a shared CPU host.
+
+A decode step that starts while a prefill worker is in a step runs `factor` times slower for as
+long as that prefill step lasts (their threads preempt each other), then at its own pace:
+
+    prefill step   ├──────────────┤
+    decode step          ├╌╌╌╌╌╌╌╌┼────┤     slowed for `overlap`, its own pace after
+                         start    prefill ends
+
+Freezing the factor for the whole step, as a first version did, stretched a decode step that
+started near the end of a prefill step, or that drew a large measured factor, far past the
+prefill step that slowed it. `benchmarks/simulator_fidelity.py` measures each factor with the
+inverse (`factor_of`), from the real steps and the real overlaps, so the two agree.
+"""
+
+from __future__ import annotations
+
+
+def slowed(seconds: float, factor: float, overlap: float) -> float:
+    """How long a step of `seconds` (alone) lasts when it runs `factor` times slower for its
+    first `overlap` seconds of wall time, then at its own pace."""
+    if seconds * factor <= overlap:
+        return seconds * factor
+    return overlap + seconds - overlap / factor
+
+
+def factor_of(took: float, alone: float, overlap: float) -> float:
+    """The factor for which `slowed(alone, factor, overlap) == took`. A step that ended
+    inside the overlap, or that took longer than the overlap can explain (it was slower than
+    `alone` after the overlap too), gives `took / alone`."""
+    if took <= overlap or took - overlap >= alone:
+        return took / alone
+    return overlap / (alone - (took - overlap))
