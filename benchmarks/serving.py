@@ -60,7 +60,9 @@ from prometheus_client.parser import text_string_to_metric_families
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from cli.defaults import default_of  # noqa: E402
 from cli.serve import parse_size  # noqa: E402
+from engine.config import EngineConfig  # noqa: E402
 from loadtest.client import (  # noqa: E402
     RequestResult,
     TextTiming,
@@ -81,7 +83,6 @@ if TYPE_CHECKING:  # torch loads with the engine: only the in-process target pay
     from transformers import PreTrainedTokenizerBase
 
     from engine.async_engine import AsyncEngine
-    from engine.config import EngineConfig
     from protocol.sampling import SamplingParams
 
 INPROCESS = "inprocess"
@@ -434,13 +435,12 @@ async def _engine_rounds(
 
 def engine_config(model: Path, args: argparse.Namespace) -> EngineConfig:
     """The engine every served worker runs, from the same flags serve_args passes on."""
-    from engine.config import EngineConfig
-
     return EngineConfig(
         model=model,
         dtype=args.dtype,
         kv_cache_memory_bytes=args.kv_cache_memory,
         max_num_seqs=max_num_seqs(args),
+        max_num_batched_tokens=args.max_num_batched_tokens,
         enable_prefix_caching=False,
     )
 
@@ -454,6 +454,7 @@ def serve_args(model: Path, layout: str, args: argparse.Namespace) -> list[str]:
     return ["--model", str(model), *LAYOUTS[layout], "--no-prefix-caching", "--dtype", args.dtype,
             "--kv-cache-memory", str(args.kv_cache_memory),
             "--max-num-seqs", str(max_num_seqs(args)), "--log-level", "warning",
+            "--max-num-batched-tokens", str(args.max_num_batched_tokens),
             *threads]  # fmt: skip
 
 
@@ -662,6 +663,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     p.add_argument("--kv-cache-memory", type=parse_size, default=512 << 20, metavar="BYTES",
                    help="KV cache per engine, e.g. 512MiB (default: 512MiB)")  # fmt: skip
+    p.add_argument("--max-num-batched-tokens", type=int, metavar="N",
+                   default=default_of(EngineConfig, "max_num_batched_tokens"),
+                   help="token budget of every engine's step, in-process and served "
+                        "(default: EngineConfig's)")  # fmt: skip
     p.add_argument("--request-timeout", type=float, default=300.0, help="seconds per request")
     p.add_argument("--engine-threads", type=int, metavar="N",
                    help="torch threads of every engine, in-process and served (default: the "
@@ -680,6 +685,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         p.error("--concurrency, --rounds and --num-prompts must be at least 1")
     if args.engine_threads is not None and args.engine_threads < 1:
         p.error("--engine-threads must be at least 1")
+    if args.max_num_batched_tokens < 1:
+        p.error("--max-num-batched-tokens must be at least 1")
     return args
 
 

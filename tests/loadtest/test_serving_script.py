@@ -105,6 +105,14 @@ def test_flags() -> None:
             serving.parse_peer(bad)
     with pytest.raises(SystemExit):  # a peer serves one model
         serving.parse_args(["--peer", "vllm=http://127.0.0.1:8100"])
+    # One token budget for every engine, in-process and served.
+    budget = serving.parse_args(["--max-num-batched-tokens", "512"])
+    assert serving.engine_config(Path("m"), budget).max_num_batched_tokens == 512
+    flags = serving.serve_args(Path("m"), "colocated", budget)
+    assert flags[flags.index("--max-num-batched-tokens") + 1] == "512"
+    assert full.max_num_batched_tokens == 2048
+    with pytest.raises(SystemExit):
+        serving.parse_args(["--max-num-batched-tokens", "0"])
 
 
 def test_overhead_model_streams_every_token_in_process(tiny_llama: Path, tmp_path: Path) -> None:
