@@ -60,7 +60,6 @@ from planning.records import split_every  # noqa: E402
 from protocol.telemetry import StepRecord  # noqa: E402
 from simulation.cluster import Outcome, Simulation  # noqa: E402
 from simulation.deployment import Costs, Deployment, EngineLimits, Overheads, Scenario  # noqa: E402
-from simulation.interference import factor_of  # noqa: E402
 from simulation.report import simulated_record  # noqa: E402
 from simulation.workload import from_samples  # noqa: E402
 
@@ -236,14 +235,16 @@ def calibrate(
     model = fit(train, heldout, ProfileInfo(model=name, source="telemetry"))
 
     def slowdown(overlaps: dict[int, float], pool: str) -> float | tuple[float, ...]:
-        """Each step's factor, as the simulator applies it: a decode step slowed for its overlap
-        with the prefill step (simulation/interference.py), a prefill step all along."""
-        factors = []
-        for s in steps:
-            if id(s) in overlaps and s.end > end:
-                alone = max(model.predict(s), 1e-9)
-                overlap = overlaps[id(s)] if pool == "decode" else s.seconds
-                factors.append(factor_of(s.seconds, alone, overlap))
+        """Each step's time over the model's: of the prefill steps beside a decode step, and of
+        the decode steps that ended inside the prefill step they started in (the simulator
+        slows a decode step while that step lasts: simulation/interference.py)."""
+        factors = [
+            s.seconds / max(model.predict(s), 1e-9)
+            for s in steps
+            if id(s) in overlaps
+            and s.end > end
+            and (pool == "prefill" or s.seconds <= overlaps[id(s)])
+        ]
         return tuple(sorted(factors)) if len(factors) >= MIN_BESIDE else 1.0
 
     decode_factors = slowdown(decode_beside, "decode")
