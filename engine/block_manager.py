@@ -34,7 +34,7 @@ def chain_hashes(
     blocks (in place), and returns it."""
     parent = hashes[-1] if hashes else None
     for i in range(len(hashes), count):
-        parent = block_hash(parent, tuple(token_ids[i * block_size : (i + 1) * block_size]))
+        parent = block_hash(parent, token_ids[i * block_size : (i + 1) * block_size])
         hashes.append(parent)
     return hashes
 

@@ -122,7 +122,7 @@ class Simulation:
         self.now = 0.0
         self._events: list[tuple[float, int, Callable[..., None], tuple[Any, ...]]] = []
         self._order = itertools.count()
-        self._fresh = itertools.count(FRESH_TOKEN_BASE)
+        self._fresh = FRESH_TOKEN_BASE  # the next made-up output token
         self.runs = [Run(i, r) for i, r in enumerate(requests)]
         self.workers: dict[str, SimWorker] = {}
         dep = scenario.deployment
@@ -451,7 +451,8 @@ class Simulation:
         return self.runs[int(seq.request_id.split(".", 1)[0])]
 
     def _token(self, worker: SimWorker, run: Run, seq: EngineSequence, at: float) -> None:
-        seq.token_ids.append(next(self._fresh))
+        seq.token_ids.append(self._fresh)
+        self._fresh += 1
         if run.first_token_at is None:
             run.first_token_at = at
         run.token_times.append(at)
@@ -515,7 +516,8 @@ class Simulation:
         delay = self.scenario.overheads.delivery
         times = [end + delay for end in ends]
         for seq in seqs:
-            seq.token_ids.extend(itertools.islice(self._fresh, len(times)))  # type: ignore[attr-defined]
+            seq.token_ids.extend(range(self._fresh, self._fresh + len(times)))  # type: ignore[attr-defined]
+            self._fresh += len(times)
             self._run_of(seq).token_times.extend(times)
 
     def _interrupt(self, worker: SimWorker) -> None:

@@ -19,7 +19,7 @@ from __future__ import annotations
 import itertools
 import json
 import math
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence, Sized
 from pathlib import Path
 from typing import NamedTuple, overload
 
@@ -94,7 +94,7 @@ class TokenIds(Sequence[int]):
 
     def extend(self, token_ids: Iterable[int]) -> None:
         """Adds one made-up token per id given."""
-        self._len += sum(1 for _ in token_ids)
+        self._len += len(token_ids) if isinstance(token_ids, Sized) else sum(1 for _ in token_ids)
 
     def copy(self) -> TokenIds:
         return TokenIds(self.prefix_base, self.prefix_len, self.own_base, self._len)
