@@ -31,9 +31,12 @@ output tok/s the tokens of the round over its wall time.
 
 Models: SmolLM2-135M-Instruct, and an "overhead model" made here once (2-layer Llama, hidden 256,
 random weights, SmolLM2's tokenizer; kept in tandem's model cache so a peer can serve it too),
-whose steps are so short that serving overhead shows. The busy fraction is a worker's increase of
-`tandem:engine_busy_seconds_total` over a round's wall time ("-" where /metrics lacks it; the
-in-process engine's is its time inside step()).
+whose steps are so short that serving overhead shows; not a default, "gpu-0.5b" (Qwen2.5-0.5B's
+shape, random weights, SmolLM2's tokenizer) for a lent GPU, which downloads nothing: `--source`
+names a folder with SmolLM2's config.json and tokenizer files (deploy/gpu_run.sh).
+
+The busy fraction is a worker's increase of `tandem:engine_busy_seconds_total` over a round's
+wall time ("-" where /metrics lacks it; the in-process engine's is its time inside step()).
 """
 
 from __future__ import annotations
@@ -99,17 +102,25 @@ LAYOUTS = {  # served targets: their `tandem serve` layout flags
 }  # fmt: skip
 TARGETS = (INPROCESS, *LAYOUTS)
 DEFAULT_TARGETS = (INPROCESS, "colocated", "1p1d")
-MODELS = ("smollm2", "overhead")
-OVERHEAD_DIMS = {
-    "hidden_size": 256,
-    "intermediate_size": 1024,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "head_dim": 64,
-}
-OVERHEAD_NAME = "overhead-llama-l2-h256"
-OVERHEAD_SEED = 0
+MODELS = ("smollm2", "overhead", "gpu-0.5b")
+DEFAULT_MODELS = ("smollm2", "overhead")
+# Random-weight Llamas made here once from a source model's vocabulary and tokenizer (kept in
+# tandem's model cache, so a peer can serve them too): name -> (folder name, dimensions).
+RANDOM_MODELS = {
+    # steps so short that serving overhead shows
+    "overhead": ("overhead-llama-l2-h256", {
+        "hidden_size": 256, "intermediate_size": 1024, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64,
+    }),
+    # Qwen2.5-0.5B's shape (~0.45B parameters with SmolLM2's vocabulary): for a lent GPU, which
+    # can download nothing (deploy/gpu_run.sh)
+    "gpu-0.5b": ("gpu-llama-l24-h896", {
+        "hidden_size": 896, "intermediate_size": 4864, "num_hidden_layers": 24,
+        "num_attention_heads": 14, "num_key_value_heads": 2, "head_dim": 64,
+    }),
+}  # fmt: skip
+OVERHEAD_DIMS = RANDOM_MODELS["overhead"][1]
+RANDOM_SEED = 0
 TOKENIZER_FILES = (
     "tokenizer.json",
     "tokenizer_config.json",
@@ -141,22 +152,27 @@ class SessionError(RuntimeError):
 # ---- the overhead model ----------------------------------------------------------------------
 
 
-def overhead_model(source: Path) -> Path:
-    """The overhead model's folder in tandem's model cache, written once from `source`."""
+def random_model(name: str, source: Path) -> Path:
+    """The random-weight model `name`'s folder in tandem's model cache, written once from
+    `source`."""
     from engine.fetch import cache_root
 
-    dest = cache_root() / "models" / OVERHEAD_NAME
+    folder, dims = RANDOM_MODELS[name]
+    dest = cache_root() / "models" / folder
     if not (dest / "model.safetensors").is_file():
         dest.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory(dir=dest.parent, prefix=f".{OVERHEAD_NAME}-") as tmp:
-            write_overhead_model(source, Path(tmp) / "model")
+        with tempfile.TemporaryDirectory(dir=dest.parent, prefix=f".{folder}-") as tmp:
+            write_random_model(source, Path(tmp) / "model", dims)
             shutil.rmtree(dest, ignore_errors=True)
             (Path(tmp) / "model").rename(dest)  # whole or absent, never half-written
     return dest
 
 
-def write_overhead_model(source: Path, dest: Path, seed: int = OVERHEAD_SEED) -> Path:
-    """A random-weight Llama of OVERHEAD_DIMS with `source`'s vocabulary and tokenizer files."""
+def write_random_model(
+    source: Path, dest: Path, dims: dict[str, int] = OVERHEAD_DIMS, seed: int = RANDOM_SEED
+) -> Path:
+    """A random-weight Llama of `dims` with `source`'s vocabulary and tokenizer files (`source`
+    needs only its config.json and tokenizer files: no weights)."""
     import torch
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
@@ -166,7 +182,7 @@ def write_overhead_model(source: Path, dest: Path, seed: int = OVERHEAD_SEED) ->
         vocab_size=base["vocab_size"],
         max_position_embeddings=2048,
         tie_word_embeddings=False,
-        **OVERHEAD_DIMS,
+        **dims,
         **special,
     )
     torch.manual_seed(seed)
@@ -442,7 +458,17 @@ def engine_config(model: Path, args: argparse.Namespace) -> EngineConfig:
         max_num_seqs=max_num_seqs(args),
         max_num_batched_tokens=args.max_num_batched_tokens,
         enable_prefix_caching=False,
+        device=device(args),
     )
+
+
+def device(args: argparse.Namespace) -> str:
+    """`--device`, with auto resolved as `tandem serve` resolves it (cuda if present)."""
+    if args.device != "auto":
+        return args.device
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def max_num_seqs(args: argparse.Namespace) -> int:
@@ -455,6 +481,7 @@ def serve_args(model: Path, layout: str, args: argparse.Namespace) -> list[str]:
             "--kv-cache-memory", str(args.kv_cache_memory),
             "--max-num-seqs", str(max_num_seqs(args)), "--log-level", "warning",
             "--max-num-batched-tokens", str(args.max_num_batched_tokens),
+            "--device", args.device,
             *threads]  # fmt: skip
 
 
@@ -645,7 +672,20 @@ def parse_peer(text: str) -> tuple[str, str]:
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--models", nargs="+", choices=MODELS, default=list(MODELS))
+    p.add_argument("--models", nargs="+", choices=MODELS, default=list(DEFAULT_MODELS))
+    p.add_argument(
+        "--source",
+        type=Path,
+        metavar="DIR",
+        help="the folder whose config.json and tokenizer files the random-weight "
+        "models take (default: SmolLM2-135M-Instruct, fetched if missing)",
+    )
+    p.add_argument(
+        "--device",
+        default="auto",
+        choices=["auto", "cpu", "cuda"],
+        help="every engine's, in-process and served (auto: cuda if present)",
+    )
     p.add_argument("--concurrency", type=int, nargs="+", default=[16, 64], help="streams")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--num-prompts", type=int, help="per round (default: 2 x concurrency)")
@@ -694,8 +734,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     from engine.fetch import fetch_default_model
 
-    smollm2 = fetch_default_model()
-    models = {m: smollm2 if m == "smollm2" else overhead_model(smollm2) for m in args.models}
+    smollm2 = fetch_default_model() if "smollm2" in args.models or not args.source else None
+    source = args.source or smollm2
+    models = {m: smollm2 if m == "smollm2" else random_model(m, source) for m in args.models}
     print("models: " + ", ".join(f"{m} {folder}" for m, folder in models.items()), file=sys.stderr)
     with tempfile.TemporaryDirectory(prefix="serving-") as work:
         results = run_benchmark(models, args, Path(work))
@@ -704,7 +745,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     for failure in results.failures:
         print(f"failed: {failure}")
     if args.json:
-        settings = {k: v for k, v in vars(args).items() if k not in ("peer", "json", "quick")}
+        settings = {
+            k: str(v) if isinstance(v, Path) else v
+            for k, v in vars(args).items()
+            if k not in ("peer", "json", "quick")
+        }
         settings["models"] = {name: str(folder) for name, folder in models.items()}
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(report_json(results, rows, settings), indent=2) + "\n")

@@ -195,13 +195,13 @@ def format_transfers(rows: list[dict]) -> str:
 
 
 def model_folder(name: str, work: Path) -> Path:
-    from benchmarks.serving import write_overhead_model
+    from benchmarks.serving import write_random_model
     from engine.fetch import fetch_default_model
 
     smollm2 = fetch_default_model()
     if name == "smollm2":
         return smollm2
-    return write_overhead_model(smollm2, work / "overhead")
+    return write_random_model(smollm2, work / "overhead")
 
 
 def format_table(results: dict[str, list[dict]]) -> str:

@@ -113,12 +113,20 @@ def test_flags() -> None:
     assert full.max_num_batched_tokens == 2048
     with pytest.raises(SystemExit):
         serving.parse_args(["--max-num-batched-tokens", "0"])
+    # The engines' device, resolved as tandem serve resolves it, and passed on to it.
+    assert serving.device(full) == "cpu"  # no CUDA here
+    gpu = serving.parse_args(["--device", "cuda", "--models", "gpu-0.5b", "--source", "src"])
+    assert serving.engine_config(Path("m"), gpu).device == "cuda"
+    flags = serving.serve_args(Path("m"), "colocated", gpu)
+    assert flags[flags.index("--device") + 1] == "cuda"
+    assert gpu.models == ["gpu-0.5b"] and gpu.source == Path("src")
+    assert full.models == ["smollm2", "overhead"]
 
 
 def test_overhead_model_streams_every_token_in_process(tiny_llama: Path, tmp_path: Path) -> None:
     from engine.config import ModelConfig
 
-    folder = serving.write_overhead_model(tiny_llama, tmp_path / "overhead")
+    folder = serving.write_random_model(tiny_llama, tmp_path / "overhead")
     config = ModelConfig.from_pretrained(folder)
     dims = (config.num_layers, config.hidden_size, config.num_heads, config.num_kv_heads)
     assert dims == (2, 256, 4, 2) and config.head_dim == 64
