@@ -18,6 +18,7 @@ import select
 import signal
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 SCAN_S = 0.5
@@ -75,7 +76,9 @@ def reap(seen: dict[int, str]) -> None:
                 os.kill(pid, signal.SIGKILL)
 
 
-def last_scan(serve_pid: int, pipe: int, scan=descendants) -> dict[int, str]:
+def last_scan(
+    serve_pid: int, pipe: int, scan: Callable[[int], dict[int, str]] = descendants
+) -> dict[int, str]:
     """Scans `serve_pid`'s descendants every SCAN_S until it dies; returns the last scan taken
     while it was surely alive. A scan that overlaps the death may have missed children already
     handed to init, so it is dropped: the kernel closes a dying process's files (our pipe)
