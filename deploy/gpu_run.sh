@@ -37,7 +37,7 @@ if [ "$STEPS" = all ] || [ "$STEPS" = tests ]; then
     status=$((status | PIPESTATUS[0]))
 fi
 if [ "$STEPS" = all ] || [ "$STEPS" = bench ]; then
-    timeout "${BENCH_S:-330}" python3 benchmarks/serving.py --models gpu-0.5b \
+    timeout "${BENCH_S:-300}" python3 benchmarks/serving.py --models gpu-0.5b \
         --source "$KIT/source" --device cuda --concurrency 16 64 --rounds "${ROUNDS:-1}" \
         --targets inprocess colocated --json "$OUT/serving-gpu.json" 2>&1 | tee "$OUT/serving.log"
     status=$((status | PIPESTATUS[0]))
