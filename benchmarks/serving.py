@@ -149,7 +149,7 @@ class SessionError(RuntimeError):
     """A target could not be measured this round (no server, a failed warm-up)."""
 
 
-# ---- the overhead model ----------------------------------------------------------------------
+# ---- the random-weight models ----------------------------------------------------------------
 
 
 def random_model(name: str, source: Path) -> Path:
