@@ -247,9 +247,12 @@ def calibrate(
         ]
         return tuple(sorted(factors)) if len(factors) >= MIN_BESIDE else 1.0
 
-    decode_factors = slowdown(decode_beside, "decode")
     return Calibration(
-        model, decode_factors, slowdown(prefill_beside, "prefill"), gap, len(records)
+        model,
+        slowdown(decode_beside, "decode"),
+        slowdown(prefill_beside, "prefill"),
+        gap,
+        len(records),
     )
 
 

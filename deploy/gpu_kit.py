@@ -22,6 +22,10 @@ import zipfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from benchmarks.serving import TOKENIZER_FILES  # noqa: E402
+
 KIT = ROOT / ".gpukit"
 # Beside the machine's own packages (device/KINDS.md lists them): these and what they need.
 WHEELS = (
@@ -45,15 +49,6 @@ PLATFORMS = [f"manylinux_2_{n}_x86_64" for n in (17, 24, 27, 28, 31, 34, 35)] + 
     "manylinux2014_x86_64",
     "manylinux1_x86_64",
 ]
-TOKENIZER_FILES = (
-    "config.json",
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "special_tokens_map.json",
-    "vocab.json",
-    "merges.txt",
-    "chat_template.jinja",
-)
 MAX_KIT_BYTES = 60 << 20  # a call carries 64 MiB, the working tree (~2 MB) included
 
 
@@ -84,7 +79,7 @@ def strip_jars(wheel: Path) -> None:
 
 def copy_tokenizer(source: Path, dest: Path) -> None:
     dest.mkdir(parents=True, exist_ok=True)
-    for name in TOKENIZER_FILES:
+    for name in ("config.json", *TOKENIZER_FILES):  # what write_random_model reads
         if (source / name).is_file():
             shutil.copy2(source / name, dest / name)
     if not (dest / "config.json").is_file() or not (dest / "tokenizer.json").is_file():
@@ -104,7 +99,6 @@ def main(argv: list[str] | None = None) -> int:
     for wheel in (KIT / "wheels").glob("ray-*.whl"):
         strip_jars(wheel)
     if args.source is None:
-        sys.path.insert(0, str(ROOT))
         from engine.fetch import fetch_default_model
 
         args.source = fetch_default_model(print)
