@@ -32,9 +32,13 @@ def chain_hashes(
 ) -> list[int]:
     """Extends `hashes`, the chained hashes of the first full blocks of `token_ids`, to `count`
     blocks (in place), and returns it."""
+    first = len(hashes)
+    if count <= first:
+        return hashes
     parent = hashes[-1] if hashes else None
-    for i in range(len(hashes), count):
-        parent = block_hash(parent, token_ids[i * block_size : (i + 1) * block_size])
+    tokens = token_ids[first * block_size : count * block_size]  # one slice, not one per block
+    for start in range(0, (count - first) * block_size, block_size):
+        parent = hash((parent, *tokens[start : start + block_size]))  # block_hash, inlined
         hashes.append(parent)
     return hashes
 
@@ -62,8 +66,9 @@ class BlockManager:
         self.evictable: OrderedDict[int, None] = OrderedDict()  # least recently freed first
         self.prefix_queries = 0
         self.prefix_hits = 0
-        # (hash, stored): a hash entered (True) or left (False) the prefix cache
-        self.on_cache_change: Callable[[int, bool], None] | None = None
+        # (hashes, stored): hashes entered (True) or left (False) the prefix cache, in order;
+        # called once per operation that changed any
+        self.on_cache_change: Callable[[list[int], bool], None] | None = None
 
     @property
     def num_free_blocks(self) -> int:
@@ -124,24 +129,38 @@ class BlockManager:
         if count > self.num_free_blocks:
             raise RuntimeError(f"asked for {count} KV blocks, {self.num_free_blocks} free")
         # Never-cached blocks first, then the least recently cached ones, which leave the cache.
-        fresh = min(count, len(self.free))
-        blocks = [self.free.popleft() for _ in range(fresh)]
-        for _ in range(count - fresh):
-            block, _ = self.evictable.popitem(last=False)
-            self._forget(block)
-            blocks.append(block)
+        # (Per-block loops with their lookups hoisted: an 8,000-token prompt is 500 blocks.)
+        free, ref_counts = self.free, self.ref_counts
+        fresh = min(count, len(free))
+        if fresh == len(free):
+            blocks = list(free)
+            free.clear()
+        else:
+            popleft = free.popleft
+            blocks = [popleft() for _ in range(fresh)]
+        if count > fresh:
+            blocks.extend(self._evict(count - fresh))
         for block in blocks:
-            self.ref_counts[block] = 1
+            ref_counts[block] = 1
         return blocks
 
-    def _forget(self, block: int) -> None:
-        digest = self.hashes[block]
-        if digest is not None and self.hash_to_block.get(digest) == block:
-            del self.hash_to_block[digest]
-            if self.on_cache_change is not None:
-                self.on_cache_change(digest, False)
-        self.hashes[block] = None
-        self.block_tokens[block] = None
+    def _evict(self, count: int) -> list[int]:
+        """Takes the `count` least recently cached blocks out of the cache."""
+        popitem, hashes, where = self.evictable.popitem, self.hashes, self.block_tokens
+        hash_to_block = self.hash_to_block
+        blocks, gone = [], []
+        for _ in range(count):
+            block, _ = popitem(last=False)
+            digest = hashes[block]
+            if digest is not None and hash_to_block.get(digest) == block:
+                del hash_to_block[digest]
+                gone.append(digest)
+            hashes[block] = None
+            where[block] = None
+            blocks.append(block)
+        if gone and self.on_cache_change is not None:
+            self.on_cache_change(gone, False)
+        return blocks
 
     def cache_full_blocks(
         self,
@@ -158,28 +177,33 @@ class BlockManager:
         if hashes is None:
             hashes = [self.hashes[b] for b in block_table[:num_hashed]]  # type: ignore[misc]
         chain_hashes(token_ids, self.block_size, hashes, num_full)
+        bs, table_hashes, where = self.block_size, self.hashes, self.block_tokens
+        hash_to_block = self.hash_to_block
+        stored = []
         for i in range(num_hashed, num_full):
             block, digest = block_table[i], hashes[i]
-            if self.hashes[block] is None:
-                self.hashes[block] = digest
-                self.block_tokens[block] = (token_ids, i * self.block_size)
+            if table_hashes[block] is None:
+                table_hashes[block] = digest
+                where[block] = (token_ids, i * bs)
                 # A twin computed concurrently keeps the entry; this copy is freed as a miss.
-                if digest not in self.hash_to_block:
-                    self.hash_to_block[digest] = block
-                    if self.on_cache_change is not None:
-                        self.on_cache_change(digest, True)
+                if digest not in hash_to_block:
+                    hash_to_block[digest] = block
+                    stored.append(digest)
+        if stored and self.on_cache_change is not None:
+            self.on_cache_change(stored, True)
 
     def free_blocks(self, block_ids: list[int]) -> None:
         """Drops one reference per block; the last reference makes it cached or free."""
+        ref_counts, hashes, hash_to_block = self.ref_counts, self.hashes, self.hash_to_block
+        evictable, free, where = self.evictable, self.free, self.block_tokens
         for block in reversed(block_ids):  # tail blocks become evictable first
-            self.ref_counts[block] -= 1
-            if self.ref_counts[block] > 0:
+            ref_counts[block] -= 1
+            if ref_counts[block] > 0:
                 continue
-            if (
-                self.hashes[block] is not None
-                and self.hash_to_block.get(self.hashes[block]) == block
-            ):
-                self.evictable[block] = None
-            else:
-                self._forget(block)
-                self.free.append(block)
+            digest = hashes[block]
+            if digest is not None and hash_to_block.get(digest) == block:
+                evictable[block] = None
+                continue
+            hashes[block] = None
+            where[block] = None
+            free.append(block)  # (a twin's copy: its digest maps to another block)

@@ -292,8 +292,8 @@ class LLMEngine:
             )
         )
 
-    def _prefix_changed(self, digest: int, stored: bool) -> None:
-        self.prefix_log.append(PrefixEvent(digest, stored))
+    def _prefix_changed(self, digests: list[int], stored: bool) -> None:
+        self.prefix_log.extend([PrefixEvent(digest, stored) for digest in digests])
 
     def cached_prefixes(self) -> list[int]:
         """Every block hash in the prefix cache now. Any thread may call it (one copy)."""

@@ -53,6 +53,11 @@ class SeqLog(Generic[T]):
             self._items.append(item)
             self._next += 1
 
+    def extend(self, items: list[T]) -> None:
+        with self._lock:
+            self._items.extend(items)
+            self._next += len(items)
+
     def since(self, seq: int) -> tuple[int, list[T], bool]:
         """(next number, the items numbered `seq` and later that are still kept, whether
         those are all of them)."""

@@ -124,6 +124,7 @@ class Simulation:
         self._order = itertools.count()
         self._fresh = FRESH_TOKEN_BASE  # the next made-up output token
         self.runs = [Run(i, r) for i, r in enumerate(requests)]
+        self._run_by_key: dict[str, Run] = {}  # every attempt's sequence key (Run.key)
         self.workers: dict[str, SimWorker] = {}
         dep = scenario.deployment
         prefill_ids = [f"prefill-{i}" for i in range(dep.prefill_workers)]
@@ -245,6 +246,7 @@ class Simulation:
         decode = self.workers[route.decode_id]
         num_prompt = len(run.request.prompt_ids)
         seq = decode.new_sequence(run.key, ids, num_prompt, run.request.output_len, hashes)
+        self._run_by_key[run.key] = run
         if route.prefill_id is not None and not self._reserve(decode, seq):
             # The coordinator counts the route before its reserve call and undoes it on a
             # refusal; nothing happens in between here, so a refused route is never counted.
@@ -333,10 +335,9 @@ class Simulation:
             self.router.observe(
                 worker.worker_id, worker.blocks.num_free_blocks, worker.queued_prompt_tokens
             )
-            if worker.cache_events:
-                stored = [d for d, s in worker.cache_events if s]
-                evicted = [d for d, s in worker.cache_events if not s]
-                worker.cache_events.clear()
+            if worker.cache_stored or worker.cache_evicted:
+                stored, evicted = worker.cache_stored, worker.cache_evicted
+                worker.cache_stored, worker.cache_evicted = [], []
                 self.router.cache_changed(worker.worker_id, stored, evicted)
         self._retire_drained()
         self.room.freed()  # fresh reports: the first in line may find room now
@@ -448,7 +449,7 @@ class Simulation:
         self._wake(worker)
 
     def _run_of(self, seq: EngineSequence) -> Run:
-        return self.runs[int(seq.request_id.split(".", 1)[0])]
+        return self._run_by_key[seq.request_id]
 
     def _token(self, worker: SimWorker, run: Run, seq: EngineSequence, at: float) -> None:
         seq.token_ids.append(self._fresh)

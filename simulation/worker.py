@@ -35,7 +35,9 @@ class SimWorker:
     draining: bool = False  # takes no new requests; leaves once idle
     epoch: int = 0  # bumped when it dies or changes pools: older step events are void
     reserved: dict[str, Sequence] = field(default_factory=dict)  # KV on its way
-    cache_events: list[tuple[int, bool]] = field(default_factory=list)  # since the last poll
+    # block hashes that entered and left its prefix cache since the last poll
+    cache_stored: list[int] = field(default_factory=list)
+    cache_evicted: list[int] = field(default_factory=list)
     link_free_at: float = 0.0  # a prefill worker's KV sender: busy until then
     step_ends_at: float = 0.0  # the step in progress (or the last one) ends then
     leap: Leap | None = None  # decode steps planned at once, played as time passes
@@ -46,14 +48,15 @@ class SimWorker:
     def __post_init__(self) -> None:
         lim = self.limits
         self.blocks = BlockManager(lim.num_blocks, lim.block_size, lim.enable_prefix_caching)
-        self.blocks.on_cache_change = lambda digest, stored: self.cache_events.append(
-            (digest, stored)
-        )
+        self.blocks.on_cache_change = self._cache_changed
         self.scheduler = Scheduler(
             SchedulerConfig(lim.max_num_seqs, lim.max_num_batched_tokens, self.late_after_s),
             self.blocks,
             self.clock,
         )
+
+    def _cache_changed(self, digests: list[int], stored: bool) -> None:
+        (self.cache_stored if stored else self.cache_evicted).extend(digests)
 
     def new_sequence(
         self,

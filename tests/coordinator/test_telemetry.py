@@ -65,7 +65,7 @@ def test_store_keeps_the_latest_state_of_each_block_and_counts_missed_steps() ->
 def test_block_manager_reports_blocks_entering_and_leaving_its_prefix_cache() -> None:
     events: list[tuple[int, bool]] = []
     blocks = BlockManager(num_blocks=2, block_size=4)
-    blocks.on_cache_change = lambda digest, stored: events.append((digest, stored))
+    blocks.on_cache_change = lambda digests, stored: events.extend((d, stored) for d in digests)
     tokens = list(range(8))
     table = blocks.allocate(2)
     blocks.cache_full_blocks(table, tokens, 0, 2)
