@@ -116,8 +116,21 @@ class StepCostModel:
     info: ProfileInfo = ProfileInfo()
 
     def predict(self, shape: HasStepShape) -> float:
-        """Seconds one step of this shape takes."""
-        return float(np.dot(self._row(shape), self.coefficients))
+        """Seconds one step of this shape takes: the terms summed in feature order (so that
+        `predict_decodes` can give the same number to the last bit)."""
+        total = 0.0
+        for coefficient, value in zip(self.coefficients, self._row(shape), strict=True):
+            total += coefficient * value
+        return total
+
+    def predict_decodes(self, num_seqs: int, contexts: np.ndarray) -> np.ndarray:
+        """`predict` of a decode step of `num_seqs` sequences for each total context in
+        `contexts`, bit for bit, at once (the simulator's leaps: only the context changes)."""
+        row = self._row(StepShape(0, 0, num_seqs, 0))
+        total = np.zeros(len(contexts))
+        for name, coefficient, value in zip(self.features, self.coefficients, row, strict=True):
+            total += coefficient * (contexts if name == "decode_context" else value)
+        return total
 
     def predict_many(self, shapes: Sequence[HasStepShape]) -> np.ndarray:
         return _matrix(shapes, self.features, self.small_batch_rows, self.knee_rows) @ np.array(

@@ -493,7 +493,7 @@ class Simulation:
         running = worker.scheduler.running
         left = min((self._tokens_left(seq) for seq in running), default=0)
         gap, cost = self.scenario.overheads.step_gap, self.scenario.costs.step
-        leap = plan_leap(worker.scheduler, left - 1, self.now, gap, cost.predict)
+        leap = plan_leap(worker.scheduler, left - 1, self.now, gap, cost.predict_decodes)
         if leap is None:
             return False
         worker.leap = leap

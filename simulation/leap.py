@@ -9,7 +9,11 @@ plans them at once and plays them lazily:
 
     step i of the leap:  starts[i] ........ ends[i]  (gap)  starts[i+1] ........ ends[i+1]
                          takes the blocks   commits: KV counted, full blocks cached,
-                         grow[i] lists      one token per sequence, delivered at ends[i]
+                         growing(i) lists   one token per sequence, delivered at ends[i]
+
+A sequence takes a block, and fills one, every `block_size` steps, so the sequences are kept
+in `block_size` groups by the step (modulo block_size) on which they do: a leap of a thousand
+steps over hundreds of sequences is planned in time proportional to the two, not their product.
 
 `settle(t)` brings the worker to where step-by-step simulation would have it at time t (every
 step started by t has its blocks, every step ended by t is committed and its tokens delivered),
@@ -27,10 +31,11 @@ import bisect
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from engine.block_manager import num_blocks_for
 from engine.scheduler import Scheduler
 from engine.sequence import Sequence
-from planning.cost_model import StepShape
 
 
 @dataclass(eq=False)
@@ -40,16 +45,32 @@ class Leap:
     starts: list[float]
     ends: list[float]
     seconds: list[float]
-    grow: dict[int, list[int]]  # step -> the sequences (indices) that take a block, in order
-    fill: dict[int, list[int]]  # step -> the sequences whose last block fills when it commits
+    # step % block_size -> the sequences (indices, in running order) that take a block on
+    # such a step, from their first_grow on; and those whose last block fills when it commits
+    grow_groups: list[list[int]]
+    first_grow: list[int]
+    fill_groups: list[list[int]]
     num_steps: int  # the leap ends after this many steps (a cut lowers it)
     started: int = 0  # steps whose blocks are taken
     done: int = 0  # steps committed
     version: int = 0  # bumped by a cut: the event for the old end is void
     blocks_left: int = field(init=False)  # blocks the steps not yet started will take
+    all_grow_from: int = field(init=False)  # from this step on, every group member grows
 
     def __post_init__(self) -> None:
-        self.blocks_left = sum(len(self.grow.get(i, ())) for i in range(self.num_steps))
+        self.all_grow_from = max(self.first_grow, default=0)
+        self.blocks_left = sum(len(self.growing(i)) for i in range(self.num_steps))
+
+    def growing(self, step: int) -> list[int]:
+        """The sequences (indices) that take a block when `step` starts, in running order."""
+        group = self.grow_groups[step % len(self.grow_groups)]
+        if step < self.all_grow_from:
+            return [i for i in group if self.first_grow[i] <= step]
+        return group
+
+    def filling(self, step: int) -> list[int]:
+        """The sequences whose last block fills when `step` commits."""
+        return self.fill_groups[step % len(self.fill_groups)]
 
     @property
     def end(self) -> float:
@@ -66,10 +87,12 @@ def plan_leap(
     max_steps: int,
     now: float,
     step_gap: float,
-    step_seconds: Callable[[StepShape], float],
+    decode_seconds: Callable[[int, np.ndarray], np.ndarray],
 ) -> Leap | None:
     """Up to `max_steps` steps of the scheduler's running batch, or None when the next step is
-    not a plain decode step of every running sequence (or fewer than two steps would leap)."""
+    not a plain decode step of every running sequence (or fewer than two steps would leap).
+    `decode_seconds(num_seqs, contexts)`: each decode step's seconds, by its total context
+    (`StepCostModel.predict_decodes`)."""
     seqs = list(scheduler.running)
     if (
         scheduler.waiting
@@ -80,33 +103,41 @@ def plan_leap(
         return None
     bs = scheduler.blocks.block_size
     base = [s.num_computed_tokens for s in seqs]
-    grow: dict[int, list[int]] = {}
-    fill: dict[int, list[int]] = {}
+    grow_groups: list[list[int]] = [[] for _ in range(bs)]
+    fill_groups: list[list[int]] = [[] for _ in range(bs)]
+    first_grow: list[int] = []
     for index, (seq, computed) in enumerate(zip(seqs, base, strict=True)):
         if len(seq.block_table) < num_blocks_for(computed, bs):
             return None  # not a steady decode (the scheduler would take several blocks)
-        # Step i computes token `computed + i`: a new block when that token starts one.
-        first_grow = len(seq.block_table) * bs - computed
-        for step in range(first_grow, max_steps, bs):
-            grow.setdefault(step, []).append(index)
-        for step in range(bs - 1 - computed % bs, max_steps, bs):
-            fill.setdefault(step, []).append(index)
+        # Step i computes token `computed + i`: a new block when that token starts one,
+        # every bs steps from the first; the block it is in fills on step bs - 1 - computed % bs.
+        first_grow.append(len(seq.block_table) * bs - computed)
+        grow_groups[first_grow[-1] % bs].append(index)
+        fill_groups[bs - 1 - computed % bs].append(index)
     num_steps, taken, free = 0, 0, scheduler.blocks.num_free_blocks
-    while num_steps < max_steps and taken + len(grow.get(num_steps, ())) <= free:
-        taken += len(grow.get(num_steps, ()))
+    leap = Leap(seqs, base, [], [], [], grow_groups, first_grow, fill_groups, 0)
+    counts = [len(group) for group in grow_groups]  # once every member grows
+    while num_steps < max_steps:
+        if num_steps < leap.all_grow_from:
+            need = len(leap.growing(num_steps))
+        else:
+            need = counts[num_steps % bs]
+        if taken + need > free:
+            break
+        taken += need
         num_steps += 1
     if num_steps < 2:
         return None
-    starts, ends, seconds = [], [], []
-    context, start = sum(base), now
-    for _ in range(num_steps):
-        context += len(seqs)
-        cost = max(step_seconds(StepShape(0, 0, len(seqs), context)), 1e-6)
+    contexts = sum(base) + len(seqs) * np.arange(1, num_steps + 1, dtype=np.int64)
+    seconds = np.maximum(decode_seconds(len(seqs), contexts), 1e-6).tolist()
+    starts, ends, start = [], [], now
+    for cost in seconds:
         starts.append(start)
         ends.append(start + cost)
-        seconds.append(cost)
         start = start + cost + step_gap
-    return Leap(seqs, base, starts, ends, seconds, grow, fill, num_steps)
+    leap.starts, leap.ends, leap.seconds, leap.num_steps = starts, ends, seconds, num_steps
+    leap.blocks_left = taken
+    return leap
 
 
 def settle(
@@ -128,13 +159,15 @@ def settle(
     alive = set(live)
     for step in range(leap.done, started):
         if step >= leap.started:
-            taking = leap.grow.get(step, ())
+            taking = leap.growing(step)
             leap.blocks_left -= len(taking)
-            for i in taking:
-                if i in alive:  # in running order: the order blocks are handed out in
-                    scheduler.grow(leap.seqs[i], leap.base[i] + step + 1)
+            # One block each, handed out in running order: what scheduler.grow would do for
+            # each in turn, in one call to the block manager.
+            takers = [leap.seqs[i] for i in taking if i in alive]
+            for seq, block in zip(takers, scheduler.blocks.allocate(len(takers)), strict=True):
+                seq.block_table.append(block)
         if step < done:
-            for i in leap.fill.get(step, ()):
+            for i in leap.filling(step):
                 if i in alive:
                     scheduler.advance(leap.seqs[i], leap.base[i] + step + 1)
     for i in live:

@@ -109,6 +109,17 @@ def test_mean_abs_pct_error_by_hand() -> None:
     assert mean_abs_pct_error(model, records) == pytest.approx(22.5)
 
 
+def test_decode_steps_at_once_cost_what_each_costs_alone_to_the_last_bit() -> None:
+    # The simulator's leaps price a run of decode steps in one call; a step priced alone (the
+    # scheduler's path) must come out the same, or leaping would change the simulation.
+    profile = Path(__file__).resolve().parents[2] / "benchmarks/profiles/llama70b-class-tp8.json"
+    model = StepCostModel.load(profile)
+    contexts = np.arange(1_000, 3_000_000, 7_919, dtype=np.int64)
+    for num_seqs in (1, 15, 16, 17, 255):
+        alone = [model.predict(StepShape(0, 0, num_seqs, int(c))) for c in contexts]
+        assert model.predict_decodes(num_seqs, contexts).tolist() == alone
+
+
 def test_step_model_json_round_trip_is_exact(tmp_path: Path) -> None:
     info = ProfileInfo("SmolLM2-135M-Instruct", "bfloat16", "cpu", 2, 16, "sweep")
     model = fit(timed(TRAIN_SHAPES, 0.02), timed(HELDOUT_SHAPES, 0.0, seed=1), info)

@@ -7,6 +7,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from engine.block_manager import BlockManager
@@ -27,6 +28,10 @@ PROFILES = Path(__file__).resolve().parents[2] / "benchmarks" / "profiles"
 PROFILE = PROFILES / "smollm2-cpu-1thread.json"
 
 
+def ones(num_seqs: int, contexts: np.ndarray) -> np.ndarray:
+    return np.ones(len(contexts))
+
+
 def decoding(scheduler: Scheduler, request_id: str, num_computed: int) -> Sequence:
     """A running sequence with KV for `num_computed` tokens and one more token to compute."""
     seq = Sequence(request_id, list(range(num_computed)), num_computed, SamplingParams())
@@ -40,10 +45,12 @@ def test_a_leap_takes_a_block_when_a_token_starts_one_and_caches_a_block_when_it
     scheduler = Scheduler(SchedulerConfig(8, 64), BlockManager(16, 4))
     a = decoding(scheduler, "a", 6)  # blocks for tokens 0-7; step i computes token 6 + i
     b = decoding(scheduler, "b", 9)  # blocks for tokens 0-11; step i computes token 9 + i
-    leap = plan_leap(scheduler, 6, 0.0, 0.5, lambda shape: 1.0)
+    leap = plan_leap(scheduler, 6, 0.0, 0.5, ones)
     assert leap is not None and leap.num_steps == 6
-    assert leap.grow == {2: [0], 3: [1]}  # token 8 of a, token 12 of b start a block
-    assert leap.fill == {1: [0], 5: [0], 2: [1]}  # tokens 7 and 11 of a, 11 of b end one
+    # token 8 of a, token 12 of b start a block; tokens 7 and 11 of a, 11 of b end one
+    assert [leap.growing(step) for step in range(6)] == [[], [], [0], [1], [], []]
+    assert [leap.filling(step) for step in range(6)] == [[], [0], [1], [], [], [0]]
+    assert leap.blocks_left == 2
     assert leap.starts == [0.0, 1.5, 3.0, 4.5, 6.0, 7.5]
     delivered: list[tuple[str, list[float]]] = []
 
@@ -69,10 +76,10 @@ def test_a_leap_stops_before_the_blocks_run_out_and_never_leaps_a_prefill():
     scheduler = Scheduler(SchedulerConfig(8, 64), BlockManager(5, 4))
     decoding(scheduler, "a", 4)  # 1 full block: takes one at steps 0, 4, 8
     decoding(scheduler, "b", 4)
-    leap = plan_leap(scheduler, 20, 0.0, 0.0, lambda shape: 1.0)
+    leap = plan_leap(scheduler, 20, 0.0, 0.0, ones)
     assert leap is not None and leap.num_steps == 4  # step 4 would need 2 blocks, 1 is free
     scheduler.add(Sequence("c", [1, 2, 3], 3, SamplingParams()))
-    assert plan_leap(scheduler, 20, 0.0, 0.0, lambda shape: 1.0) is None
+    assert plan_leap(scheduler, 20, 0.0, 0.0, ones) is None
 
 
 def the_same_with_and_without_leaps(make: Callable[[bool], Simulation]) -> tuple[Outcome, Outcome]:
