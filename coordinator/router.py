@@ -82,11 +82,14 @@ class WorkerLoad:
         return count
 
     def remember(self, hashes: list[int]) -> None:
-        for digest in hashes:
-            self.prefixes[digest] = None
-            self.prefixes.move_to_end(digest)
-        while len(self.prefixes) > REMEMBERED_PREFIXES:
-            self.prefixes.popitem(last=False)
+        prefixes = self.prefixes
+        for digest in hashes:  # each one now the most recent
+            if digest in prefixes:
+                prefixes.move_to_end(digest)
+            else:
+                prefixes[digest] = None
+        for _ in range(len(prefixes) - REMEMBERED_PREFIXES):
+            prefixes.popitem(last=False)
 
 
 def prefix_hashes(token_ids: list[int], block_size: int) -> list[int]:
