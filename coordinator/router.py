@@ -218,8 +218,8 @@ class Router:
         else:
             load.cached.update(stored)
             load.cached.difference_update(evicted)
-        for digest in evicted:
-            load.prefixes.pop(digest, None)
+        for digest in load.prefixes.keys() & evicted:  # (usually few of many evicted)
+            del load.prefixes[digest]
 
     def placed(self, route: Route, token_ids: list[int], hashes: list[int] | None = None) -> None:
         if hashes is None:
