@@ -145,21 +145,19 @@ class BlockManager:
         return blocks
 
     def _evict(self, count: int) -> list[int]:
-        """Takes the `count` least recently cached blocks out of the cache."""
+        """Takes the `count` least recently cached blocks out of the cache. Each one's hash maps
+        to it: a block becomes evictable only so (`free_blocks`), and while it is, no other
+        block can take its hash (`cache_full_blocks` maps only hashes not mapped yet)."""
         popitem, hashes, where = self.evictable.popitem, self.hashes, self.block_tokens
-        hash_to_block = self.hash_to_block
-        blocks, gone = [], []
-        for _ in range(count):
-            block, _ = popitem(last=False)
-            digest = hashes[block]
-            if digest is not None and hash_to_block.get(digest) == block:
-                del hash_to_block[digest]
-                gone.append(digest)
+        blocks = [popitem(last=False)[0] for _ in range(count)]
+        digests = [hashes[block] for block in blocks]
+        for digest in digests:
+            del self.hash_to_block[digest]  # type: ignore[arg-type]
+        for block in blocks:
             hashes[block] = None
             where[block] = None
-            blocks.append(block)
-        if gone and self.on_cache_change is not None:
-            self.on_cache_change(gone, False)
+        if self.on_cache_change is not None:
+            self.on_cache_change(digests, False)  # type: ignore[arg-type]
         return blocks
 
     def cache_full_blocks(
