@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import math
 from collections.abc import Collection
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -53,11 +54,14 @@ class SamplingParams:
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
         _check(self.max_tokens >= 1, "max_tokens", "must be at least 1")
         _check(0 <= self.min_tokens <= self.max_tokens, "min_tokens", "must be in [0, max_tokens]")
-        _check(self.temperature >= 0, "temperature", "must be non-negative")
+        # (NaN fails every comparison; infinity would turn the logits into NaN)
+        _check(0 <= self.temperature < math.inf, "temperature", "must be a finite number >= 0")
         _check(self.top_k is None or self.top_k >= 1, "top_k", "must be positive (None: off)")
         _check(0 < self.top_p <= 1, "top_p", "must be in (0, 1]")
         _check(0 <= self.min_p <= 1, "min_p", "must be in [0, 1]")
-        _check(self.repetition_penalty > 0, "repetition_penalty", "must be positive")
+        _check(
+            0 < self.repetition_penalty < math.inf, "repetition_penalty", "must be finite and > 0"
+        )
         _check(-2 <= self.presence_penalty <= 2, "presence_penalty", "must be in [-2, 2]")
         _check(-2 <= self.frequency_penalty <= 2, "frequency_penalty", "must be in [-2, 2]")
         _check(all(self.stop), "stop", "must not contain empty strings")

@@ -120,6 +120,9 @@ def test_logprobs_are_returned(llm, prompts) -> None:
     [
         ({"max_tokens": 0}, "max_tokens"),
         ({"temperature": -1}, "temperature"),
+        ({"temperature": float("inf")}, "temperature"),
+        ({"temperature": float("nan")}, "temperature"),
+        ({"repetition_penalty": float("inf")}, "repetition_penalty"),
         ({"top_p": 0}, "top_p"),
         ({"min_p": 2}, "min_p"),
         ({"stop": ("",)}, "stop"),

@@ -95,6 +95,7 @@ BAD_REQUESTS = [
     ("/v1/completions", {"prompt": "hi", "n": "many"}, 400, "n"),
     ("/v1/completions", {"prompt": "hi", "n": 0}, 400, "n"),
     ("/v1/completions", {"prompt": "hi", "temperature": -1}, 400, "temperature"),
+    ("/v1/completions", b'{"prompt": "hi", "temperature": Infinity}', 400, "temperature"),
     ("/v1/completions", {"prompt": "hi", "top_p": 0}, 400, "top_p"),
     ("/v1/completions", {"prompt": "hi", "presence_penalty": 3}, 400, "presence_penalty"),
     ("/v1/completions", {"prompt": "hi", "stop": [""]}, 400, "stop"),
