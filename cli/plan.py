@@ -1,6 +1,6 @@
 """`tandem plan`: the pool sizes that serve a workload within an SLO on a number of GPUs.
 
-    tandem plan --profile P --gpus 8 --slo ttft_p99=2s,itl_p99=50ms [workload flags]
+    tandem plan --profile P --gpus 8 --slo ttft_p99=2s,itl_p99=50ms [--jobs N] [workload flags]
 
 The workload flags are `tandem bench`'s (or --trace FILE). Every split of the GPUs into
 colocated workers or prefill and decode pools is simulated (simulation/search.py); the table
@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 from pathlib import Path
 
 from cli.errors import CliError
@@ -34,6 +35,13 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     p.add_argument("--slo", required=True, help="e.g. ttft_p99=2s,itl_p99=50ms")
     p.add_argument("--trace", type=Path, help="a JSON-lines trace instead of a dataset")
     p.add_argument("--plan-json", type=Path, help="also write the plan here")
+    p.add_argument(
+        "--jobs",
+        type=int,
+        default=1,
+        help="layouts simulated at once, each in its own process (0: one per CPU); each holds "
+        "the whole workload and one simulation in memory",
+    )
     add_deployment_flags(p)
     add_bench_flags(p, taken=("--profile",))
     p.set_defaults(run=run)
@@ -48,6 +56,9 @@ def run(args: argparse.Namespace) -> int:
 
     if args.gpus < 1 or args.tp < 1:
         raise CliError("--gpus and --tp must be at least 1")
+    if args.jobs < 0:
+        raise CliError("--jobs must be 0 (one per CPU) or more")
+    jobs = args.jobs or len(os.sched_getaffinity(0))
     bench = config_from_args(args)
     scenario = scenario_from_args(args)
     scenario = dataclasses.replace(
@@ -61,7 +72,7 @@ def run(args: argparse.Namespace) -> int:
             print(_row(c, objectives), flush=True)
 
         print(_header(objectives))
-        plan = search(scenario, requests, bench.load, args.gpus, objectives, show)
+        plan = search(scenario, requests, bench.load, args.gpus, objectives, show, jobs)
     except (SimulationError, SloError) as err:
         raise CliError(str(err)) from None
     print()

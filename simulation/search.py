@@ -7,12 +7,18 @@ feasible when every percentile objective holds (e.g. TTFT p99 <= 2 s), and its g
 requests per second that met the per-request objectives (TTFT, and TPOT against the ITL limit,
 as `tandem bench --goodput` counts them). The pick: the feasible layout of highest goodput; if
 none is feasible the plan says so (and shows how close each came), it never adds GPUs.
+
+The layouts are independent simulations, so with `jobs` > 1 they run in that many processes
+at once (a 128-GPU hour is minutes of simulation per layout, and 16 layouts of TP8 workers);
+each simulation is deterministic, so the plan is the same whatever the number of jobs.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Sequence
+import multiprocessing
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ProcessPoolExecutor
 from typing import NamedTuple
 
 from loadtest.config import GoodputSLO, LoadConfig
@@ -69,27 +75,60 @@ def search(
     gpus: int,
     objectives: Sequence[Objective],
     on_candidate: Callable[[Candidate], None] | None = None,
+    jobs: int = 1,
 ) -> Plan:
-    slo = per_request_slo(objectives)
-    percentiles = sorted({o.percentile for o in objectives} | {50.0})
+    """Every layout of `gpus` simulated (`jobs` at a time, each in its own process when more
+    than one); `on_candidate` sees each result in layout order as it is known."""
+    trials = [
+        dataclasses.replace(scenario, deployment=d) for d in layouts(scenario.deployment, gpus)
+    ]
     candidates = []
-    for deployment in layouts(scenario.deployment, gpus):
-        trial = dataclasses.replace(scenario, deployment=deployment)
-        outcome = Simulation(trial, requests, load).run()
-        record = simulated_record(outcome, trial, load, percentiles, slo, per_request=False)
-        predicted = {o.key: float(record.get(o.key, float("inf"))) for o in objectives}
-        feasible = record["failed"] == 0 and all(predicted[o.key] <= o.limit_ms for o in objectives)
-        candidate = Candidate(
-            deployment,
-            float(record["request_goodput"] or 0.0),
-            float(record["request_throughput"]),
-            predicted,
-            feasible,
-            int(record["failed"]),
-        )
+    for candidate in _evaluate_all(trials, requests, load, objectives, jobs):
         candidates.append(candidate)
         if on_candidate is not None:
             on_candidate(candidate)
     candidates.sort(key=lambda c: (c.feasible, c.goodput_per_gpu), reverse=True)
     best = candidates[0] if candidates and candidates[0].feasible else None
     return Plan(candidates, best)
+
+
+def _evaluate_all(
+    trials: list[Scenario],
+    requests: Sequence[SimRequest],
+    load: LoadConfig,
+    objectives: Sequence[Objective],
+    jobs: int,
+) -> Iterator[Candidate]:
+    if jobs <= 1 or len(trials) == 1:
+        for trial in trials:
+            yield evaluate(trial, requests, load, objectives)
+        return
+    # Fresh interpreters, not forks: the caller may hold threads (a tokenizer's, for one).
+    spawn = multiprocessing.get_context("spawn")
+    with ProcessPoolExecutor(min(jobs, len(trials)), mp_context=spawn) as pool:
+        futures = [pool.submit(evaluate, t, requests, load, objectives) for t in trials]
+        for future in futures:
+            yield future.result()
+
+
+def evaluate(
+    trial: Scenario,
+    requests: Sequence[SimRequest],
+    load: LoadConfig,
+    objectives: Sequence[Objective],
+) -> Candidate:
+    """One layout simulated and scored against the objectives."""
+    slo = per_request_slo(objectives)
+    percentiles = sorted({o.percentile for o in objectives} | {50.0})
+    outcome = Simulation(trial, requests, load).run()
+    record = simulated_record(outcome, trial, load, percentiles, slo, per_request=False)
+    predicted = {o.key: float(record.get(o.key, float("inf"))) for o in objectives}
+    feasible = record["failed"] == 0 and all(predicted[o.key] <= o.limit_ms for o in objectives)
+    return Candidate(
+        trial.deployment,
+        float(record["request_goodput"] or 0.0),
+        float(record["request_throughput"]),
+        predicted,
+        feasible,
+        int(record["failed"]),
+    )

@@ -98,6 +98,16 @@ def test_plan_picks_a_layout_that_meets_the_slo(tmp_path, capsys):
     assert "plan:" in capsys.readouterr().out
 
 
+def test_plan_simulates_layouts_in_parallel_processes_to_the_same_plan(tmp_path, capsys):
+    args = ["plan", "--profile", str(PROFILE), "--gpus", "3", "--slo", "ttft_p99=2s", *WORKLOAD]
+    plans = []
+    for jobs in ("1", "3"):
+        out = tmp_path / f"plan-{jobs}.json"
+        assert main([*args, "--jobs", jobs, "--plan-json", str(out)]) == 0
+        plans.append(json.loads(out.read_text()))
+    assert plans[0] == plans[1] and len(plans[0]["candidates"]) == 3
+
+
 def test_plan_reports_an_slo_no_layout_meets(capsys):
     args = ["plan", "--profile", str(PROFILE), "--gpus", "2", "--slo", "itl_p99=1ms", *WORKLOAD]
     assert main(args) == 3
@@ -108,3 +118,9 @@ def test_plan_rejects_a_malformed_slo(capsys):
     args = ["plan", "--profile", str(PROFILE), "--gpus", "2", "--slo", "ttft=2s", *WORKLOAD]
     assert main(args) == 1
     assert "metric_pNN=limit" in capsys.readouterr().err
+
+
+def test_plan_rejects_negative_jobs(capsys):
+    args = ["plan", "--profile", str(PROFILE), "--gpus", "2", "--slo", "ttft_p99=2s", *WORKLOAD]
+    assert main([*args, "--jobs", "-1"]) == 1
+    assert "--jobs" in capsys.readouterr().err
