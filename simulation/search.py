@@ -19,6 +19,7 @@ import dataclasses
 import multiprocessing
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from typing import NamedTuple
 
 from loadtest.config import GoodputSLO, LoadConfig
@@ -108,7 +109,12 @@ def _evaluate_all(
     with ProcessPoolExecutor(min(jobs, len(trials)), mp_context=spawn) as pool:
         futures = [pool.submit(evaluate, t, requests, load, objectives) for t in trials]
         for future in futures:
-            yield future.result()
+            try:
+                yield future.result()
+            except BrokenProcessPool:
+                raise SimulationError(
+                    f"a simulation process died (out of memory?): try fewer --jobs than {jobs}"
+                ) from None
 
 
 def evaluate(
