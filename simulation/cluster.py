@@ -211,7 +211,19 @@ class Simulation:
     def _send(self, run: Run) -> None:
         self._in_flight += 1
         run.sent_at = self.now
-        self.sent.append((self.now, len(run.request.prompt_ids), run.request.output_len))
+        num_prompt, num_output = len(run.request.prompt_ids), run.request.output_len
+        self.sent.append((self.now, num_prompt, num_output))
+        # The server's check (coordinator/api/prompts.py): a worker's context is at most its
+        # KV pool, since one sequence alone must always fit (preempting could not make room).
+        engine = self.scenario.deployment.engine
+        context = engine.num_blocks * engine.block_size
+        if num_prompt + num_output > context:
+            self._done(
+                run,
+                f"HTTP 400 Bad Request: this model's context holds {context} tokens: the prompt "
+                f"has {num_prompt} and max_tokens asks for {num_output} more",
+            )
+            return
         self.at(self.now + self.scenario.overheads.dispatch, self._place, run)
 
     def _done(self, run: Run, error: str | None = None) -> None:

@@ -265,6 +265,26 @@ def test_no_live_decode_worker_fails_requests_instead_of_hanging():
     assert outcome.num_unsent == 0
 
 
+@pytest.mark.parametrize("deployment", [(0, 1), (1, 1)])
+def test_a_request_longer_than_the_context_is_a_400_not_a_hang(deployment):
+    # 64 blocks of 16: a context of 1,024 tokens. The server refuses more (prompt plus
+    # max_tokens), as coordinator/api/prompts.py does; the simulator used to run forever.
+    requests = [
+        SimRequest(0.0, prompt(1000, 1 << 20), 25),  # 1,025 tokens
+        SimRequest(0.0, prompt(1000, 1 << 21), 24),  # exactly the context: served
+    ]
+    sim = Simulation(scenario(*deployment, num_blocks=64), requests, LoadConfig(max_duration_s=60))
+    outcome = sim.run()
+    too_long, fits = outcome.runs
+    assert too_long.error == (
+        "HTTP 400 Bad Request: this model's context holds 1024 tokens: the prompt has 1000 "
+        "and max_tokens asks for 25 more"
+    )
+    assert not too_long.token_times
+    assert fits.error is None and len(fits.token_times) == 24
+    assert_nothing_held(sim)
+
+
 def test_the_record_has_tandem_bench_keys():
     load = LoadConfig(request_rate=8.0)
     spec = PrefixRepetitionSpec(num_prefixes=2, prefix_len=64, suffix_len=32, output_len=8)
