@@ -204,4 +204,4 @@ class BlockManager:
                 continue
             hashes[block] = None
             where[block] = None
-            free.append(block)  # (a twin's copy: its digest maps to another block)
+            free.append(block)  # never cached, or a twin's copy (its hash maps elsewhere)

@@ -528,11 +528,11 @@ class Simulation:
     def _deliver(self, seqs: list[EngineSequence], ends: list[float]) -> None:
         delay = self.scenario.overheads.delivery
         times = array("d", [end + delay for end in ends])
-        count, run_by_key = len(times), self._run_by_key
+        count = len(times)
         for seq in seqs:
             seq.token_ids.extend(range(self._fresh, self._fresh + count))  # type: ignore[attr-defined]
             self._fresh += count
-            run_by_key[seq.request_id].token_times.extend(times)
+            self._run_of(seq).token_times.extend(times)
 
     def _interrupt(self, worker: SimWorker) -> None:
         """Before the worker's batch changes: its leap ends after the step in progress."""

@@ -54,12 +54,11 @@ class Leap:
     started: int = 0  # steps whose blocks are taken
     done: int = 0  # steps committed
     version: int = 0  # bumped by a cut: the event for the old end is void
-    blocks_left: int = field(init=False)  # blocks the steps not yet started will take
+    blocks_left: int = 0  # blocks the steps not yet started will take
     all_grow_from: int = field(init=False)  # from this step on, every group member grows
 
     def __post_init__(self) -> None:
         self.all_grow_from = max(self.first_grow, default=0)
-        self.blocks_left = sum(len(self.growing(i)) for i in range(self.num_steps))
 
     def growing(self, step: int) -> list[int]:
         """The sequences (indices) that take a block when `step` starts, in running order."""
@@ -116,15 +115,8 @@ def plan_leap(
         fill_groups[bs - 1 - computed % bs].append(index)
     num_steps, taken, free = 0, 0, scheduler.blocks.num_free_blocks
     leap = Leap(seqs, base, [], [], [], grow_groups, first_grow, fill_groups, 0)
-    counts = [len(group) for group in grow_groups]  # once every member grows
-    while num_steps < max_steps:
-        if num_steps < leap.all_grow_from:
-            need = len(leap.growing(num_steps))
-        else:
-            need = counts[num_steps % bs]
-        if taken + need > free:
-            break
-        taken += need
+    while num_steps < max_steps and taken + len(leap.growing(num_steps)) <= free:
+        taken += len(leap.growing(num_steps))
         num_steps += 1
     if num_steps < 2:
         return None
