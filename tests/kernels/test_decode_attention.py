@@ -54,7 +54,7 @@ def test_rejects_mismatched_heads() -> None:
         native.decode_attention(query, key_cache, value_cache, tables, lens, 0.2)
 
 
-@pytest.mark.parametrize("head_dim", [32, 64])
+@pytest.mark.parametrize("head_dim", [32, 64, 128, 256])
 def test_bf16_rows_do_not_depend_on_their_batch(head_dim: int) -> None:
     # Each sequence's result must not depend on what else is in the batch, or batching would
     # change tokens.
