@@ -126,6 +126,17 @@ void decode_attention_kernel(const T* query, const T* key_cache, const T* value_
 // that key (its lanes are summed in a fixed order, whatever else is in the tile), so a
 // sequence's result does not depend on its batch.
 
+// How far ahead (in tokens) the bfloat16 kernel asks for cache rows, into L2. A step reads every
+// layer's cache once, far more than L3 holds, and a block's successor sits anywhere, so without
+// this a core waits on memory at every block (measured at SmolLM2's shape, 30 layers, 16 x 194
+// tokens: 7.2-7.6 ms a step before this kernel, 5.1-5.6 ms with it, 6.3-8.4 ms without requests).
+constexpr int64_t kAhead = 64;
+
+inline void prefetch_bytes(const void* first, int64_t bytes) {
+  const char* p = static_cast<const char*>(first);
+  for (int64_t offset = 0; offset < bytes; offset += 64) __builtin_prefetch(p + offset, /*read*/ 0, /*L2*/ 1);
+}
+
 inline __m512 load_bf16(const c10::BFloat16* p) {
   const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
@@ -170,6 +181,7 @@ void accumulate_values(int64_t heads, const float* probs, int64_t len, const Val
     for (int c = 0; c < kChunks; ++c) sum[x][c] = _mm512_setzero_ps();
   }
   for (int64_t t = 0; t < len; ++t) {
+    if (t + kAhead < len) prefetch_bytes(value_of(t + kAhead), kHeadDim * sizeof(c10::BFloat16));
     const c10::BFloat16* row = value_of(t);
     __m512 value[kChunks];
     for (int c = 0; c < kChunks; ++c) value[c] = load_bf16(row + 16 * c);
@@ -193,7 +205,7 @@ void decode_attention_bf16(const c10::BFloat16* query, const c10::BFloat16* key_
   constexpr int kTile = 16;
   const int64_t group = heads / kv_heads;
   const int64_t row_stride = kv_heads * kHeadDim;  // one token's K (or V), every KV head
-  const int64_t block_bytes = block_size * row_stride * sizeof(c10::BFloat16);
+  const int64_t row_bytes = row_stride * sizeof(c10::BFloat16);
   at::parallel_for(0, batch, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> queries(heads * kHeadDim), acc(heads * kHeadDim), scores;
     std::vector<__m512> partial(group * kTile);  // [query of the group][key of the tile]
@@ -209,8 +221,8 @@ void decode_attention_bf16(const c10::BFloat16* query, const c10::BFloat16* key_
       scores.resize(heads * len);
       for (int64_t start = 0; start < len; start += kTile) {
         const int64_t n = std::min<int64_t>(kTile, len - start);
-        if (start % block_size == 0 && start + block_size < len) {
-          prefetch_block(key_cache, table[start / block_size + 1], block_bytes);
+        for (int64_t t = start + kAhead; t < std::min(start + kAhead + kTile, len); ++t) {
+          prefetch_bytes(token_row(key_cache, t), row_bytes);
         }
         for (int64_t i = 0; i < n; ++i) rows[i] = token_row(key_cache, start + i);
         for (int64_t h = 0; h < kv_heads; ++h) {
