@@ -96,6 +96,10 @@ LAYOUTS = {  # served targets: their `tandem serve` layout flags
     # both cores whenever the prefill worker idles.
     "1p1d-shared": ("--mode", "disaggregated", "--prefill-workers", "1", "--decode-workers", "1",
                     "--threads-per-worker", str(os.cpu_count() or 1)),
+    # 1P1D with cost routing: the decode worker prefills a prompt itself when that is cheaper
+    # than waiting behind the prefill worker's queue (conditional disaggregation).
+    "1p1d-cost": ("--mode", "disaggregated", "--prefill-workers", "1", "--decode-workers", "1",
+                  "--routing", "cost"),
     # Not in the default targets: SmolLM2-135M's 9 heads do not split 2 ways (overhead's do).
     "colocated-tp2": ("--mode", "colocated", "--prefill-workers", "0", "--decode-workers", "1",
                       "--tensor-parallel-size", "2"),

@@ -28,6 +28,7 @@ SOURCES = [
         "norm_rope.cpp",
         "cache_mlp.cpp",
         "linear_amx.cpp",
+        "linear_bf16.cpp",
         "argmax.cpp",
     )
 ]

@@ -129,7 +129,7 @@ void decode_attention_kernel(const T* query, const T* key_cache, const T* value_
 // How far ahead (in tokens) the bfloat16 kernel asks for cache rows, into L2. A step reads every
 // layer's cache once, far more than L3 holds, and a block's successor sits anywhere, so without
 // this a core waits on memory at every block (measured at SmolLM2's shape, 30 layers, 16 x 194
-// tokens: 7.2-7.6 ms a step before this kernel, 5.1-5.6 ms with it, 6.3-8.4 ms without requests).
+// tokens: 7.2-7.6 ms a step before this kernel, 5.1-5.6 ms with it, 6.3-8.4 ms without the prefetches).
 constexpr int64_t kAhead = 64;
 
 inline void prefetch_bytes(const void* first, int64_t bytes) {

@@ -15,6 +15,9 @@ bool amx_available();
 torch::Tensor amx_pack_weight(torch::Tensor weight);
 torch::Tensor amx_linear(torch::Tensor x, torch::Tensor packed, int64_t n,
                          c10::optional<torch::Tensor> bias);
+bool bf16_linear_available();
+torch::Tensor bf16_pack_weight(torch::Tensor weight);
+torch::Tensor bf16_linear(torch::Tensor x, torch::Tensor packed, int64_t n, int64_t block);
 torch::Tensor argmax_rows(torch::Tensor logits);
 
 // at::parallel_for initialises each thread lazily, on its first call, from the count any thread
@@ -32,5 +35,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("amx_available", &amx_available, "whether this CPU (and build) has the AMX bf16 unit");
   m.def("amx_pack_weight", &amx_pack_weight, "a bf16 [N, K] weight in amx_linear's layout");
   m.def("amx_linear", &amx_linear, "x [<=16, K] bf16 times a packed weight, on AMX tiles");
+  m.def("bf16_linear_available", &bf16_linear_available,
+        "whether this CPU (and build) has AVX-512 BF16 for bf16_linear");
+  m.def("bf16_pack_weight", &bf16_pack_weight, "a bf16 [N, K] weight in bf16_linear's layout");
+  m.def("bf16_linear", &bf16_linear, "x [<=16, K] bf16 times a packed weight, AVX-512 BF16");
   m.def("argmax_rows", &argmax_rows, "the first index of each row's maximum (NaN ranks top)");
 }
