@@ -32,6 +32,7 @@ SOURCES = [
         "argmax.cpp",
     )
 ]
+HEADERS = [Path(__file__).parent / "csrc" / "shared_queue.h"]  # copied beside the sources
 
 
 # fast-math for vectorized exp (glibc's vector math); no FMA contraction, so element-wise ops
@@ -46,7 +47,7 @@ def build_name() -> str:
     environment share a build, and different code never rebuilds over another's build."""
     # The environment counts too: another venv compiles against other torch headers.
     digest = hashlib.sha256(" ".join([*CFLAGS, sys.prefix]).encode())
-    for source in SOURCES:
+    for source in [*SOURCES, *HEADERS]:
         digest.update(source.read_bytes())
     return f"tandem_cpu_ops_{digest.hexdigest()[:12]}"
 
@@ -85,10 +86,11 @@ def _build() -> ModuleType:
         fcntl.flock(guard, fcntl.LOCK_EX)
         (folder / "lock").unlink(missing_ok=True)
         sources = []
-        for source in SOURCES:
+        for source in [*SOURCES, *HEADERS]:
             copy = folder / "src" / source.name
             if not copy.exists() or copy.read_bytes() != source.read_bytes():
                 copy.parent.mkdir(exist_ok=True)
                 shutil.copyfile(source, copy)
-            sources.append(str(copy))
+            if source in SOURCES:
+                sources.append(str(copy))
         return build(name=name, sources=sources, extra_cflags=CFLAGS, build_directory=str(folder))

@@ -8,6 +8,8 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#include "shared_queue.h"
+
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -206,10 +208,22 @@ void decode_attention_bf16(const c10::BFloat16* query, const c10::BFloat16* key_
   const int64_t group = heads / kv_heads;
   const int64_t row_stride = kv_heads * kHeadDim;  // one token's K (or V), every KV head
   const int64_t row_bytes = row_stride * sizeof(c10::BFloat16);
-  at::parallel_for(0, batch, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> queries(heads * kHeadDim), acc(heads * kHeadDim), scores;
-    std::vector<__m512> partial(group * kTile);  // [query of the group][key of the tile]
-    std::vector<const c10::BFloat16*> rows(kTile);
+  struct Buffers {
+    std::vector<float> queries, acc, scores;
+    std::vector<__m512> partial;  // [query of the group][key of the tile]
+    std::vector<const c10::BFloat16*> rows;
+  };
+  auto setup = [&] {
+    return Buffers{std::vector<float>(heads * kHeadDim), std::vector<float>(heads * kHeadDim), {},
+                   std::vector<__m512>(group * kTile), std::vector<const c10::BFloat16*>(kTile)};
+  };
+  // One sequence at a time from a shared queue: see shared_queue.h.
+  tandem::parallel_chunks(batch, 1, setup, [&](Buffers& buffers, int64_t begin, int64_t end) {
+    std::vector<float>& queries = buffers.queries;
+    std::vector<float>& acc = buffers.acc;
+    std::vector<float>& scores = buffers.scores;
+    std::vector<__m512>& partial = buffers.partial;
+    std::vector<const c10::BFloat16*>& rows = buffers.rows;
     for (int64_t b = begin; b < end; ++b) {
       const int64_t len = context_lens[b];
       const int64_t* table = block_tables + b * max_blocks;

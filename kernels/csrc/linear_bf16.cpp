@@ -16,6 +16,8 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#include "shared_queue.h"
+
 #include <cstring>
 #include <vector>
 
@@ -108,8 +110,14 @@ torch::Tensor bf16_linear(torch::Tensor x, torch::Tensor packed, int64_t n, int6
   const auto* stream = reinterpret_cast<const uint32_t*>(packed.data_ptr<at::BFloat16>());
   auto* o = out.data_ptr<at::BFloat16>();
   const int64_t groups = n_padded / kCols;
-  at::parallel_for(0, groups, 1, [&](int64_t begin, int64_t end) {
-    alignas(64) float sums[kRows * kCols];
+  // About 8 chunks per thread: small enough to even out a preempted thread, large enough that
+  // the shared counter is touched rarely.
+  const int64_t chunk = groups / (8 * at::get_num_threads());
+  struct Sums {
+    alignas(64) float values[kRows * kCols];
+  };
+  tandem::parallel_chunks(groups, chunk, [] { return Sums(); }, [&](Sums& state, int64_t begin, int64_t end) {
+    float* sums = state.values;
     for (int64_t g = begin; g < end; ++g) {
       group_kernel(pairs.data(), kp, stream + g * kp * kCols, block / 2, sums);
       const int64_t col0 = g * kCols, cols = std::min(kCols, n - col0);
