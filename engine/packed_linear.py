@@ -14,8 +14,10 @@ step streams every weight once, so that doubles its memory traffic. Two packings
   the same batches: each weight read once per call, feeding all 16 rows (a step's linears at 16
   rows: 15.0 ms against oneDNN's 19.6 on the development VM). oneDNN's sums here are blocked
   along K in a way that depends on the shape, so a linear takes this path only when
-  `onednn_block` finds the blocking that gives oneDNN's bits exactly (K up to 1,024: blocks of
-  512); the others stay on oneDNN.
+  `onednn_block` finds the blocking that gives oneDNN's bits exactly at 2 to 16 rows (blocks of
+  512 up to K = 1,024, of 1,024 at K = 1,536 to 4,096 on the development VM); the others stay
+  on oneDNN. A single row then takes the same order as a batch, which oneDNN's own one-row
+  path does not (at K >= 1,536 it sums in other blocks).
 
 Keeping two copies doubles the weights' memory.
 """
@@ -33,7 +35,7 @@ from kernels import cpu_extension
 PACK_BATCH_HINT = 16  # oneDNN picks its blocking for about this many rows
 AMX_MAX_ROWS = 16  # one tile of rows: amx_linear's limit
 SMALL_MAX_ROWS = 16  # bf16_linear's limit: one accumulator register per row
-BLOCK_CANDIDATES = (512, 256, 1024)  # K values per block oneDNN might sum apart
+BLOCK_CANDIDATES = (512, 1024, 256, 2048)  # K values per block oneDNN might sum apart
 
 
 def can_pack(dtype: torch.dtype, device: torch.device) -> bool:
@@ -79,7 +81,10 @@ def onednn_block(native: ModuleType, n: int, k: int) -> int | None:
     weight = weight.bfloat16()
     packed = torch.ops.mkldnn._reorder_linear_weight(weight, PACK_BATCH_HINT)
     cases = []
-    for rows, cancel in ((SMALL_MAX_ROWS, True), (1, True), (SMALL_MAX_ROWS, False)):
+    # Not one row: oneDNN sums a single row in other blocks than 2 or more (K >= 1,536 on the
+    # development VM: 512 against 1,024), so its rows depend on their batch there. Every row
+    # here takes the batched order, whatever the batch.
+    for rows, cancel in ((SMALL_MAX_ROWS, True), (2, True), (SMALL_MAX_ROWS, False)):
         x = heavy(rows, k)
         if cancel:
             x[:, half : 2 * half] = x[:, :half]

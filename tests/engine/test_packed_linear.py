@@ -88,26 +88,28 @@ def test_larger_batches_take_onednn_and_match_f_linear() -> None:
 def test_bf16_linear_is_bit_identical_to_onednn_where_it_is_used(n: int, k: int) -> None:
     layer = linear(n, k, bias=False, seed=n + k)
     packed = PackedLinear(layer, None, bf16)
-    if k > 1024:  # oneDNN's blocking there is not one bf16_linear reproduces: it stays on oneDNN
-        assert onednn_block(bf16, n, k) is None and packed.bf16 is None
-    else:
-        assert onednn_block(bf16, n, k) == 512 and packed.bf16 is not None
+    # On the development VM (AMD Zen 4): blocks of 512 up to K = 1,024, of 1,024 at K = 1,536.
+    # Elsewhere oneDNN may sum in an order bf16_linear does not reproduce: then oneDNN it is.
+    assert (packed.bf16 is not None) == (onednn_block(bf16, n, k) is not None)
     onednn = PackedLinear(layer, None, None)
     gen = torch.Generator().manual_seed(1)
-    for rows in (1, 2, 5, SMALL_MAX_ROWS, SMALL_MAX_ROWS + 3):
+    for rows in (2, 5, SMALL_MAX_ROWS, SMALL_MAX_ROWS + 3):
         x = torch.randn(rows, k, generator=gen).bfloat16()
         got = packed(x)
         assert got.shape == (rows, n)
         assert torch.equal(got, onednn(x))
         assert torch.equal(got, F.linear(x, layer.weight))
+        # one row alone: the bits it gets in a batch (oneDNN's own one-row path may differ)
+        assert torch.equal(packed(x[1:2]), got[1:2])
 
 
 @needs_bf16
-def test_bf16_rows_do_not_depend_on_their_batch() -> None:
-    layer = linear(3072, 576, bias=False, seed=6)
+@pytest.mark.parametrize("n,k", [(3072, 576), (576, 1536)])
+def test_bf16_rows_do_not_depend_on_their_batch(n: int, k: int) -> None:
+    layer = linear(n, k, bias=False, seed=6)
     packed = PackedLinear(layer, None, bf16)
     assert packed.bf16 is not None
-    x = torch.randn(SMALL_MAX_ROWS, 576).bfloat16()
+    x = torch.randn(SMALL_MAX_ROWS, k).bfloat16()
     together = packed(x)
     for row in range(SMALL_MAX_ROWS):
         assert torch.equal(packed(x[row : row + 1]), together[row : row + 1])
