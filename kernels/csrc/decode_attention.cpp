@@ -43,6 +43,20 @@ inline void prefetch_block(const T* cache, int64_t block, int64_t bytes) {
   for (int64_t offset = 0; offset < bytes; offset += 64) __builtin_prefetch(first + offset);
 }
 
+// Softmax of one query head's scores, in place, in float32.
+inline void softmax(float* s, int64_t len) {
+  const float top = *std::max_element(s, s + len);
+  float total = 0.f;
+#pragma omp simd reduction(+ : total)
+  for (int64_t t = 0; t < len; ++t) {
+    s[t] = std::exp(s[t] - top);
+    total += s[t];
+  }
+  const float inv = 1.f / total;
+#pragma omp simd
+  for (int64_t t = 0; t < len; ++t) s[t] *= inv;
+}
+
 template <typename T, int kHeadDim>
 void decode_attention_kernel(const T* query, const T* key_cache, const T* value_cache,
                              const int64_t* block_tables, const int64_t* context_lens, T* out,
@@ -81,19 +95,7 @@ void decode_attention_kernel(const T* query, const T* key_cache, const T* value_
           }
         }
       }
-      for (int64_t head = 0; head < heads; ++head) {
-        float* s = scores.data() + head * len;
-        const float top = *std::max_element(s, s + len);
-        float total = 0.f;
-#pragma omp simd reduction(+ : total)
-        for (int64_t t = 0; t < len; ++t) {
-          s[t] = std::exp(s[t] - top);
-          total += s[t];
-        }
-        const float inv = 1.f / total;
-#pragma omp simd
-        for (int64_t t = 0; t < len; ++t) s[t] *= inv;
-      }
+      for (int64_t head = 0; head < heads; ++head) softmax(scores.data() + head * len, len);
       std::fill(acc.begin(), acc.end(), 0.f);
       for (int64_t start = 0; start < len; start += block_size) {
         const int64_t n = std::min(block_size, len - start);
@@ -272,19 +274,7 @@ void decode_attention_bf16(const c10::BFloat16* query, const c10::BFloat16* key_
       for (int64_t t = 0; t < std::min(kAhead, len); ++t) {  // V's, to arrive during softmax
         prefetch_bytes(token_row(value_cache, t), row_bytes);
       }
-      for (int64_t head = 0; head < heads; ++head) {
-        float* s = scores.data() + head * len;
-        const float top = *std::max_element(s, s + len);
-        float total = 0.f;
-#pragma omp simd reduction(+ : total)
-        for (int64_t t = 0; t < len; ++t) {
-          s[t] = std::exp(s[t] - top);
-          total += s[t];
-        }
-        const float inv = 1.f / total;
-#pragma omp simd
-        for (int64_t t = 0; t < len; ++t) s[t] *= inv;
-      }
+      for (int64_t head = 0; head < heads; ++head) softmax(scores.data() + head * len, len);
       // Pass 2, a few query heads of one KV head at a time, their sums held in registers.
       constexpr int kPass = std::max(1, 16 / kChunks);
       for (int64_t h = 0; h < kv_heads; ++h) {
