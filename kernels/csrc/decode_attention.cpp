@@ -140,7 +140,9 @@ constexpr int64_t kAhead = 32;
 
 inline void prefetch_bytes(const void* first, int64_t bytes) {
   const char* p = static_cast<const char*>(first);
-  for (int64_t offset = 0; offset < bytes; offset += 64) __builtin_prefetch(p + offset, /*read*/ 0, /*L2*/ 1);
+  for (int64_t offset = 0; offset < bytes; offset += 64) {
+    __builtin_prefetch(p + offset, /*read*/ 0, /*L2*/ 1);
+  }
 }
 
 inline __m512 load_bf16(const c10::BFloat16* p) {

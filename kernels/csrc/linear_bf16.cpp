@@ -85,7 +85,9 @@ torch::Tensor bf16_pack_weight(torch::Tensor weight) {
   auto* out = packed.data_ptr<at::BFloat16>();
   for (int64_t col = 0; col < n; ++col) {
     at::BFloat16* group = out + (col / kCols) * kp * kCols * 2;
-    for (int64_t kk = 0; kk < k; ++kk) group[((kk / 2) * kCols + col % kCols) * 2 + kk % 2] = w[col * k + kk];
+    for (int64_t kk = 0; kk < k; ++kk) {
+      group[((kk / 2) * kCols + col % kCols) * 2 + kk % 2] = w[col * k + kk];
+    }
   }
   return packed;
 }
@@ -97,7 +99,8 @@ torch::Tensor bf16_linear(torch::Tensor x, torch::Tensor packed, int64_t n, int6
   TORCH_CHECK(m <= kRows, "bf16_linear takes at most 16 rows");
   TORCH_CHECK(block > 0 && block % 2 == 0, "block must be a positive even number of K values");
   const int64_t n_padded = round_up(n, kCols), kp = round_up(k, 2) / 2;
-  TORCH_CHECK(packed.numel() == n_padded * kp * 2, "packed weight does not fit [", n, ", ", k, "]");
+  TORCH_CHECK(packed.numel() == n_padded * kp * 2, "packed weight does not fit [", n, ", ", k,
+              "]");
   auto out = torch::empty({m, n}, x.options());
   if (m == 0) return out;
 #ifdef TANDEM_HAS_AVX512_BF16
@@ -116,7 +119,7 @@ torch::Tensor bf16_linear(torch::Tensor x, torch::Tensor packed, int64_t n, int6
   struct Sums {
     alignas(64) float values[kRows * kCols];
   };
-  tandem::parallel_chunks(groups, chunk, [] { return Sums(); }, [&](Sums& state, int64_t begin, int64_t end) {
+  auto work = [&](Sums& state, int64_t begin, int64_t end) {
     float* sums = state.values;
     for (int64_t g = begin; g < end; ++g) {
       group_kernel(pairs.data(), kp, stream + g * kp * kCols, block / 2, sums);
@@ -127,7 +130,8 @@ torch::Tensor bf16_linear(torch::Tensor x, torch::Tensor packed, int64_t n, int6
         _mm256_mask_storeu_epi16(o + r * n + col0, mask, bf);
       }
     }
-  });
+  };
+  tandem::parallel_chunks(groups, chunk, [] { return Sums(); }, work);
 #else
   TORCH_CHECK(false, "built without AVX-512 BF16 support");
 #endif
