@@ -24,9 +24,15 @@ torch::Tensor argmax_rows(torch::Tensor logits);
 // set last; this module is built apart from libtorch, so it keeps its own per-thread flag.
 void init_threads() { at::internal::lazy_init_num_threads(); }
 
+// The long-running ops release the GIL while they run, as torch's own ops do: a worker's KV
+// receiver, token pusher and RPC threads then run beside a decode step instead of waiting for
+// it. The short element-wise ops keep it (taking it back would cost about what they run).
+using no_gil = py::call_guard<py::gil_scoped_release>;
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("init_threads", &init_threads, "this module's per-thread set-up of at::parallel_for");
-  m.def("decode_attention", &decode_attention, "paged decode attention over the KV cache");
+  m.def("decode_attention", &decode_attention, "paged decode attention over the KV cache",
+        no_gil());
   m.def("rms_norm", &rms_norm, "RMSNorm of each row");
   m.def("add_rms_norm", &add_rms_norm, "(RMSNorm of x + residual, x + residual), one pass");
   m.def("rotary", &rotary, "rotary embedding of each head (rotate-half layout)");
@@ -34,10 +40,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("silu_and_mul", &silu_and_mul, "SiLU of the first half times the second half");
   m.def("amx_available", &amx_available, "whether this CPU (and build) has the AMX bf16 unit");
   m.def("amx_pack_weight", &amx_pack_weight, "a bf16 [N, K] weight in amx_linear's layout");
-  m.def("amx_linear", &amx_linear, "x [<=16, K] bf16 times a packed weight, on AMX tiles");
+  m.def("amx_linear", &amx_linear, "x [<=16, K] bf16 times a packed weight, on AMX tiles",
+        no_gil());
   m.def("bf16_linear_available", &bf16_linear_available,
         "whether this CPU (and build) has AVX-512 BF16 for bf16_linear");
   m.def("bf16_pack_weight", &bf16_pack_weight, "a bf16 [N, K] weight in bf16_linear's layout");
-  m.def("bf16_linear", &bf16_linear, "x [<=16, K] bf16 times a packed weight, AVX-512 BF16");
+  m.def("bf16_linear", &bf16_linear, "x [<=16, K] bf16 times a packed weight, AVX-512 BF16",
+        no_gil());
   m.def("argmax_rows", &argmax_rows, "the first index of each row's maximum (NaN ranks top)");
 }
