@@ -1,10 +1,10 @@
 """CPU speed-up for bf16/fp16 linears: weights pre-packed once, at load time.
 
 A plain bf16 `F.linear` on CPU re-lays-out the weight for the matrix unit on every call; a decode
-step streams every weight once, so that doubles its memory traffic. Two packings:
+step streams every weight once, so that doubles its memory traffic. The packings:
 
-- oneDNN's blocked layout, used for every batch where AMX is absent and for batches of more than
-  16 rows (prefill chunks) where it is present;
+- oneDNN's blocked layout, used for batches of more than 16 rows (prefill chunks, large decode
+  batches) and wherever neither decode kernel below applies;
 - on CPUs with AMX bf16 tiles (and bf16 weights), `kernels/csrc/linear_amx.cpp`'s layout for
   batches of up to 16 rows (decode steps): one sequential, prefetched stream per 64 output
   columns, about 1.6x faster than oneDNN at 1 to 16 rows. It is bit-identical to oneDNN at those
