@@ -299,16 +299,11 @@ template <typename T, int kHeadDim>
 void launch(const torch::Tensor& query, const torch::Tensor& key_cache,
             const torch::Tensor& value_cache, const torch::Tensor& tables,
             const torch::Tensor& lens, torch::Tensor& out, float scale) {
+  auto kernel = decode_attention_kernel<T, kHeadDim>;
 #if defined(__AVX512F__)
-  if constexpr (std::is_same_v<T, c10::BFloat16>) {
-    decode_attention_bf16<kHeadDim>(
-        query.data_ptr<T>(), key_cache.data_ptr<T>(), value_cache.data_ptr<T>(),
-        tables.data_ptr<int64_t>(), lens.data_ptr<int64_t>(), out.data_ptr<T>(), query.size(0),
-        query.size(1), key_cache.size(2), key_cache.size(1), tables.size(1), scale);
-    return;
-  }
+  if constexpr (std::is_same_v<T, c10::BFloat16>) kernel = decode_attention_bf16<kHeadDim>;
 #endif
-  decode_attention_kernel<T, kHeadDim>(
+  kernel(
       query.data_ptr<T>(), key_cache.data_ptr<T>(), value_cache.data_ptr<T>(),
       tables.data_ptr<int64_t>(), lens.data_ptr<int64_t>(), out.data_ptr<T>(), query.size(0),
       query.size(1), key_cache.size(2), key_cache.size(1), tables.size(1), scale);
