@@ -20,7 +20,7 @@ from engine.config import ConfigError, EngineConfig, ModelConfig
 from engine.kv_cache import num_blocks_for_budget
 from engine.parallel import shard_for
 from engine.runner import ModelRunner
-from engine.sampler import SampleRow, sample
+from engine.sampler import SampleRow, sample, uniform
 from engine.scheduler import Scheduler, SchedulerConfig, StepPlan, fits_with_headroom
 from engine.sequence import Sequence
 from engine.stop import blocked_tokens, check_stop
@@ -45,11 +45,11 @@ PlanLayerHook = Callable[[StepPlan, int], None]
 PlanHook = Callable[[StepPlan], object]
 
 
-def skip_draws(generator: torch.Generator, vocab_size: int, count: int) -> None:
-    """Advances a request's generator past `count` sampled tokens (one draw of `vocab_size`
-    values each, as the sampler does), so a resumed request continues its random stream."""
+def skip_draws(generator: torch.Generator, count: int) -> None:
+    """Advances a request's generator past `count` sampled tokens (one `uniform` draw each, as
+    the sampler takes them), so a resumed request continues its random stream."""
     for _ in range(count):
-        torch.empty(vocab_size).exponential_(generator=generator)
+        uniform(generator)
 
 
 def _generator_states(rows: list[SampleRow]) -> list[tuple[torch.Generator, torch.Tensor]]:
@@ -128,7 +128,7 @@ class LLMEngine:
         if params.seed is not None:
             generator = torch.Generator().manual_seed(params.seed)
             if not params.greedy:
-                skip_draws(generator, self.model_config.vocab_size, len(output_ids))
+                skip_draws(generator, len(output_ids))
             self.generators[request_id] = generator
         return seq
 

@@ -1,7 +1,7 @@
 """Sampler: next-token choice for each sequence of a step, from its logits (float32 math).
 
-Seeded requests draw their noise from their own generator, one draw of `vocab` values per token,
-so a seed gives the same tokens whatever else shares the batch.
+Seeded requests draw from their own generator, one uniform number per token (`uniform`), so a
+seed gives the same tokens whatever else shares the batch.
 """
 
 from __future__ import annotations
@@ -49,11 +49,14 @@ def sample(logits: torch.Tensor, rows: list[SampleRow]) -> SamplerOutput:
         logits = logits.clone() if logits is raw else logits
         for i, row in enumerate(rows):
             logits[i, list(row.blocked_ids)] = float("-inf")
-    tokens = ops.argmax(logits)
     random_rows = [i for i, row in enumerate(rows) if not row.params.greedy]
-    if random_rows:
-        picked = _sample_random(logits[random_rows], [rows[i] for i in random_rows])
-        tokens[random_rows] = picked
+    if len(random_rows) == len(rows):
+        tokens = _sample_random(logits, rows)
+    else:
+        tokens = ops.argmax(logits)
+        if random_rows:
+            picked = _sample_random(logits[random_rows], [rows[i] for i in random_rows])
+            tokens[random_rows] = picked
     token_ids = tokens.tolist()
     return SamplerOutput(token_ids, _logprobs(raw, rows, token_ids))
 
@@ -75,33 +78,110 @@ def apply_penalties(logits: torch.Tensor, row: SampleRow) -> None:
 
 
 def _sample_random(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
-    temperature = torch.tensor([row.params.temperature for row in rows]).unsqueeze(1)
-    probs = filtered_probs(logits / temperature, rows)
-    # Exponential race: argmax(p / E) with E ~ Exp(1) draws index i with probability p_i.
-    noise = torch.stack([_exponential(probs.shape[1], row.generator) for row in rows])
-    return (probs / noise).argmax(dim=-1)
+    temperatures = [row.params.temperature for row in rows]
+    if any(t != 1.0 for t in temperatures):
+        logits = logits / torch.tensor(temperatures).unsqueeze(1)
+    probs = filtered_probs(logits, rows)
+    u = torch.cat([uniform(row.generator) for row in rows])
+    return inverse_cdf(probs, u)
 
 
-def _exponential(size: int, generator: torch.Generator | None) -> torch.Tensor:
-    return torch.empty(size).exponential_(generator=generator)
+CDF_BLOCK = 256  # tokens per block of inverse_cdf's two-level search
+
+
+def inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """For each row, the first token whose cumulative probability passes u (in [0, 1)) times
+    the row's total: a draw from `probs` with one random number. Two levels: the block of
+    CDF_BLOCK tokens first, by the running float64 sum of the blocks' masses, then the token
+    inside it, by a float64 running sum over that block alone (a float32 running sum over a
+    whole vocabulary would shift the tail tokens' odds; a float64 one over every token costs
+    more than the rest of the sampler). probs: [R, vocab] float32; u: [R] float64."""
+    rows, vocab = probs.shape
+    blocks = torch.nn.functional.pad(probs, (0, -vocab % CDF_BLOCK)).view(rows, -1, CDF_BLOCK)
+    ends = blocks.sum(dim=-1).double().cumsum(dim=-1)  # [R, num_blocks]
+    target = (u * ends[:, -1]).unsqueeze(1)
+    block = torch.searchsorted(ends, target, right=True).clamp_(max=ends.shape[1] - 1)
+    before = torch.where(block > 0, ends.gather(1, (block - 1).clamp_(min=0)), 0.0)
+    chosen = blocks[torch.arange(rows), block.squeeze(1)]  # [R, CDF_BLOCK]
+    offset = torch.searchsorted(
+        chosen.double().cumsum(dim=-1), target - before, right=True
+    ).squeeze(1)
+    # Summed in another order, the block's tokens may end a hair short of the target: then
+    # the block's last token that has any probability.
+    last = CDF_BLOCK - 1 - (chosen > 0).flip(1).int().argmax(dim=1)
+    return block.squeeze(1) * CDF_BLOCK + torch.where(offset < CDF_BLOCK, offset, last)
+
+
+def uniform(generator: torch.Generator | None) -> torch.Tensor:
+    """The one draw a sampled token takes from its request's generator: [1] float64 in [0, 1)."""
+    return torch.rand(1, dtype=torch.float64, generator=generator)
 
 
 def filtered_probs(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
-    """Softmax over the tokens that survive top_k, top_p and min_p. logits: [R, vocab]."""
-    vocab = logits.shape[1]
-    sorted_logits, order = logits.sort(dim=-1, descending=True)
-    sorted_probs = sorted_logits.softmax(dim=-1)
-    rank = torch.arange(vocab).unsqueeze(0)
-    top_k = torch.tensor([min(row.params.top_k or vocab, vocab) for row in rows])
-    top_p = torch.tensor([row.params.top_p for row in rows])
-    min_p = torch.tensor([row.params.min_p for row in rows])
-    drop = rank >= top_k.unsqueeze(1)
-    drop |= (sorted_probs.cumsum(dim=-1) - sorted_probs) > top_p.unsqueeze(1)
-    drop |= sorted_probs < (min_p * sorted_probs[:, 0]).unsqueeze(1)
-    drop[:, 0] = False  # the most likely token always survives
-    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
-    filtered = torch.empty_like(logits).scatter_(1, order, sorted_logits)
-    return filtered.softmax(dim=-1)
+    """Softmax over the tokens that survive top_k, top_p and min_p, each judged on the
+    unfiltered distribution; the most likely token always survives. logits: [R, vocab]."""
+    probs = logits.softmax(dim=-1)
+    vocab = probs.shape[1]
+    top_k = [min(row.params.top_k or vocab, vocab) for row in rows]
+    top_p = [row.params.top_p for row in rows]
+    min_p = [row.params.min_p for row in rows]
+    if all(k == vocab for k in top_k) and all(p >= 1.0 for p in top_p) and not any(min_p):
+        return probs  # nothing to filter (the default request): no ranking, no mask
+    keep = torch.ones_like(probs, dtype=torch.bool)
+    if any(k < vocab for k in top_k):
+        keep &= _top_k_mask(probs, top_k)
+    if any(p < 1.0 for p in top_p):
+        keep &= _top_p_mask(probs, top_p)
+    if any(min_p):
+        peak = probs.max(dim=-1, keepdim=True).values
+        keep &= probs >= torch.tensor(min_p).unsqueeze(1) * peak
+    keep.scatter_(1, ops.argmax(probs).unsqueeze(1), True)
+    kept = probs.masked_fill_(~keep, 0.0)
+    return kept.div_(kept.sum(dim=-1, keepdim=True))
+
+
+def _top_k_mask(probs: torch.Tensor, top_k: list[int]) -> torch.Tensor:
+    """The k most likely tokens of each row (ties at the edge broken by topk's order); a row
+    with k = vocab keeps every token."""
+    vocab = probs.shape[1]
+    limited = [i for i, k in enumerate(top_k) if k < vocab]
+    ks = torch.tensor([top_k[i] for i in limited]).unsqueeze(1)
+    order = _rows(probs, limited).topk(int(ks.max()), dim=-1).indices
+    keep = torch.ones_like(probs, dtype=torch.bool)
+    keep[limited] = torch.zeros_like(keep[limited]).scatter_(
+        1, order, torch.arange(order.shape[1]) < ks
+    )
+    return keep
+
+
+TOP_P_HEADS = (256, 4096)  # tokens ranked first; a nucleus wider than both sorts its row
+
+
+def _top_p_mask(probs: torch.Tensor, top_p: list[float]) -> torch.Tensor:
+    """The smallest head of each row, most likely first, whose mass reaches top_p (a token
+    stays while the mass ranked before it is at most top_p). Ranks the first 256 tokens, then
+    4,096, then the whole row, stopping as soon as the nucleus ends inside what is ranked."""
+    vocab = probs.shape[1]
+    keep = torch.ones_like(probs, dtype=torch.bool)
+    todo = [i for i, p in enumerate(top_p) if p < 1.0]
+    for head in (*(h for h in TOP_P_HEADS if h < vocab), vocab):
+        if not todo:
+            break
+        values, order = _rows(probs, todo).topk(head, dim=-1)
+        inside = values.cumsum(dim=-1) - values <= torch.tensor([top_p[i] for i in todo])[:, None]
+        ends_inside = ~inside[:, -1] if head < vocab else torch.ones(len(todo), dtype=torch.bool)
+        done = [i for i, flag in zip(todo, ends_inside.tolist(), strict=True) if flag]
+        if done:
+            keep[done] = torch.zeros_like(keep[done]).scatter_(
+                1, order[ends_inside], inside[ends_inside]
+            )
+        todo = [i for i, flag in zip(todo, ends_inside.tolist(), strict=True) if not flag]
+    return keep
+
+
+def _rows(x: torch.Tensor, rows: list[int]) -> torch.Tensor:
+    """x's rows `rows`, without a copy when that is all of them."""
+    return x if len(rows) == x.shape[0] else x[rows]
 
 
 def _logprobs(

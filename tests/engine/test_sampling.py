@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from engine.llm import LLM
-from engine.sampler import SampleRow, filtered_probs, sample
+from engine.sampler import CDF_BLOCK, SampleRow, filtered_probs, inverse_cdf, sample
 from kernels import ops
 from kernels.argmax import argmax_ref
 from protocol.sampling import SamplingError, SamplingParams
@@ -31,6 +31,19 @@ def test_seed_gives_same_text_alone_and_in_batch(llm, prompts) -> None:
     again = llm.generate_ids([prompts[0]], seeded)[0]
     assert batch[0].token_ids == alone.token_ids == again.token_ids
     assert batch[0].text == alone.text
+
+
+def test_a_resumed_seeded_request_continues_its_stream(llm, prompts) -> None:
+    """A request moved to another engine after 5 tokens (output_ids) draws on from where its
+    generator was: the same 12 tokens as the request left alone."""
+    params = SamplingParams(max_tokens=12, temperature=1.0, seed=77, ignore_eos=True)
+    whole = llm.generate_ids([prompts[1]], params)[0].token_ids
+    engine = llm.engine
+    engine.add_request("resumed", prompts[1], params, output_ids=whole[:5])
+    seq = engine.sequences["resumed"]
+    while engine.has_unfinished:
+        engine.step()
+    assert seq.output_token_ids == whole
 
 
 def test_different_seeds_differ(llm, prompts) -> None:
@@ -147,3 +160,71 @@ def test_argmax_is_argmax_with_ties_infinities_and_nan() -> None:
             assert torch.equal(argmax(logits.bfloat16()), logits.argmax(dim=-1)), trial
     odd_vocab = torch.randn(3, 1000, generator=generator)  # not a multiple of the span
     assert torch.equal(argmax_ref(odd_vocab), odd_vocab.argmax(dim=-1))
+
+
+def nucleus_by_sorting(probs: torch.Tensor, top_p: float) -> list[int]:
+    """The top_p rule on a fully sorted row: a token stays while the mass before it <= top_p."""
+    values, order = probs.sort(descending=True)
+    inside = values.cumsum(0) - values <= top_p if top_p < 1 else True  # 1: no filter
+    kept = order[inside & (values > 0)]  # (0: underflowed)
+    return sorted(kept.tolist())
+
+
+@pytest.mark.parametrize("spread", [0.5, 3.0, 40.0])
+def test_top_p_ranks_a_head_first_and_keeps_the_sorted_nucleus(spread: float) -> None:
+    """Peaked rows end their nucleus inside the first 256 ranked tokens, flat ones past 4,096
+    (the whole row is sorted then): the kept tokens are the sorted rule's either way."""
+    generator = torch.Generator().manual_seed(3)
+    logits = torch.randn(4, 10_000, generator=generator) * spread
+    top_p = [0.5, 0.9, 0.95, 1.0]
+    rows = [SampleRow(SamplingParams(top_p=p), [], [], (), None) for p in top_p]
+    probs = filtered_probs(logits, rows)
+    for i, p in enumerate(top_p):
+        expected = nucleus_by_sorting(logits[i].softmax(-1), p)
+        assert probs[i].nonzero().flatten().tolist() == expected, (spread, p)
+        assert probs[i].sum().item() == pytest.approx(1.0, abs=1e-5)
+
+
+def test_top_k_and_min_p_and_top_p_each_judge_the_unfiltered_row() -> None:
+    logits = torch.log(torch.tensor([[0.4, 0.25, 0.2, 0.1, 0.05]] * 3))
+    rows = [
+        SampleRow(SamplingParams(top_k=4, top_p=0.5), [], [], (), None),  # top_p keeps 2
+        SampleRow(SamplingParams(top_k=2, min_p=0.1), [], [], (), None),  # top_k keeps 2
+        SampleRow(SamplingParams(), [], [], (), None),  # no filter on this row
+    ]
+    kept = [row.nonzero().flatten().tolist() for row in filtered_probs(logits, rows)]
+    assert kept == [[0, 1], [0, 1], [0, 1, 2, 3, 4]]
+
+
+def test_inverse_cdf_draws_each_token_at_its_probability() -> None:
+    """4,000 evenly spaced u through a row of 3 blocks (the last one padded): token i is drawn
+    for the u that fall in its stretch of the CDF, so counts match probabilities to within one
+    draw; zero-probability tokens are never drawn, even at the ends of [0, 1)."""
+    vocab = 2 * CDF_BLOCK + 37
+    generator = torch.Generator().manual_seed(9)
+    probs = torch.rand(vocab, generator=generator) ** 4
+    probs[torch.randperm(vocab, generator=generator)[: vocab // 3]] = 0.0
+    probs[-5:] = 0.0  # the last tokens cannot be drawn even by u just under 1
+    probs /= probs.sum()
+    draws = 4000
+    u = (torch.arange(draws, dtype=torch.float64) + 0.5) / draws
+    picked = inverse_cdf(probs.expand(draws, vocab).contiguous(), u)
+    counts = torch.bincount(picked, minlength=vocab).double()
+    assert (counts[probs == 0] == 0).all()
+    assert (counts - probs.double() * draws).abs().max() <= 1.0 + 1e-6
+    ends = inverse_cdf(probs.expand(2, vocab).contiguous(), torch.tensor([0.0, 1 - 1e-16]))
+    nonzero = probs.nonzero().flatten()
+    assert ends.tolist() == [nonzero[0].item(), nonzero[-1].item()]
+
+
+def test_default_sampling_draws_from_the_softmax() -> None:
+    """Temperature 1 with no filter (an OpenAI request that sets nothing): seeded draws over
+    many rows land on each token about as often as its probability says."""
+    probs = torch.tensor([0.5, 0.3, 0.15, 0.05])
+    logits = probs.log().expand(4000, 4).contiguous()
+    rows = [
+        SampleRow(SamplingParams(), [], [], (), torch.Generator().manual_seed(i))
+        for i in range(4000)
+    ]
+    counts = torch.bincount(torch.tensor(sample(logits, rows).token_ids), minlength=4)
+    assert (counts / 4000 - probs).abs().max() < 0.03  # ~4 standard deviations
