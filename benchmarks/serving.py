@@ -23,8 +23,9 @@ every target rather than on one:
 Each server is started for its round by `ServeProcess`, warmed up, measured at every concurrency
 and stopped before the next target starts; the in-process engine is loaded and dropped the same
 way. Load: `--concurrency` client coroutines, each streaming one request after another from a
-shared list of `--num-prompts` prompts (~100 tokens of words, `--output-len` tokens out, greedy,
-EOS ignored, prefix caching off so every round prefills). The HTTP clients are `tandem bench`'s
+shared list of `--num-prompts` prompts (~100 tokens of words, `--output-len` tokens out; greedy
+unless `--temperature` (and `--top-p`) say otherwise; EOS ignored; prefix caching off so every
+round prefills). The HTTP clients are `tandem bench`'s
 (`loadtest.client.send_request`); the in-process client times the engine's outputs the same way:
 TTFT is send to the first output carrying text, ITL every gap between outputs carrying text,
 output tok/s the tokens of the round over its wall time.
@@ -134,7 +135,6 @@ TOKENIZER_FILES = (
     "added_tokens.json",
     "chat_template.jinja",
 )
-SAMPLING = SamplingConfig(temperature=0.0, ignore_eos=True)
 PROMPT_SEED = 0
 WARMUP_REQUESTS = 8
 WARMUP_TOKENS = 16
@@ -340,6 +340,7 @@ def busy_fractions(
 @dataclass(frozen=True)
 class EngineEndpoint:
     engine: AsyncEngine
+    sampling: SamplingConfig
     timeout_s: float
 
     async def send(self, sample: SampleRequest) -> RequestResult:
@@ -350,7 +351,10 @@ class EngineEndpoint:
             sample.prompt
         )  # as the server encodes a completions prompt
         params = SamplingParams(
-            max_tokens=sample.expected_output_len, temperature=0.0, ignore_eos=True
+            max_tokens=sample.expected_output_len,
+            temperature=self.sampling.temperature,
+            top_p=self.sampling.top_p or 1.0,
+            ignore_eos=True,
         )
         try:
             await asyncio.wait_for(self._stream(ids, params, timing), self.timeout_s)
@@ -376,12 +380,13 @@ class EngineEndpoint:
 class HttpEndpoint:
     client: aiohttp.ClientSession
     target: Target
+    sampling: SamplingConfig
     base_url: str
     timeout_s: float
     counts_busy: bool | None = None  # None until /metrics is first read
 
     async def send(self, sample: SampleRequest) -> RequestResult:
-        payload = build_payload(self.target, sample, SAMPLING)
+        payload = build_payload(self.target, sample, self.sampling)
         return await send_request(
             self.client, self.target, payload, sample.prompt_len, self.timeout_s
         )
@@ -413,6 +418,7 @@ class Workload:
     samples: list[SampleRequest]  # the most any concurrency sends
     counter: TokenCounter
     num_prompts: int | None  # per round; None: 2 x concurrency
+    sampling: SamplingConfig  # every target's requests (EOS ignored)
 
     def for_concurrency(self, concurrency: int) -> list[SampleRequest]:
         return self.samples[: self.num_prompts or 2 * concurrency]
@@ -423,7 +429,8 @@ def make_workload(model: Path, args: argparse.Namespace) -> Workload:
     count = args.num_prompts or 2 * max(args.concurrency)
     spec = RandomSpec(input_len=args.input_len, output_len=args.output_len)
     samples = sample_random(spec, count, np.random.default_rng(PROMPT_SEED), counter)
-    return Workload(samples, counter, args.num_prompts)
+    sampling = SamplingConfig(temperature=args.temperature, top_p=args.top_p, ignore_eos=True)
+    return Workload(samples, counter, args.num_prompts, sampling)
 
 
 def engine_session(model: Path, workload: Workload, args: argparse.Namespace) -> dict[int, Round]:
@@ -440,7 +447,7 @@ def engine_session(model: Path, workload: Workload, args: argparse.Namespace) ->
     engine = LLMEngine(engine_config(model, args))
     threads = args.engine_threads or os.cpu_count() or 1
     async_engine = AsyncEngine(engine, Tokenizer(model), num_threads=threads)
-    endpoint = EngineEndpoint(async_engine, args.request_timeout)
+    endpoint = EngineEndpoint(async_engine, workload.sampling, args.request_timeout)
     return asyncio.run(_engine_rounds(endpoint, workload, args.concurrency))
 
 
@@ -518,7 +525,9 @@ async def _http_rounds(
 ) -> dict[int, Round]:
     # One connection per stream, kept (plus one for /metrics).
     async with stream_client(max(args.concurrency) + 1) as client:
-        endpoint = HttpEndpoint(client, target, base_url.rstrip("/"), args.request_timeout)
+        endpoint = HttpEndpoint(
+            client, target, workload.sampling, base_url.rstrip("/"), args.request_timeout
+        )
         return await measure_all(endpoint, workload, args.concurrency)
 
 
@@ -695,6 +704,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--num-prompts", type=int, help="per round (default: 2 x concurrency)")
     p.add_argument("--input-len", type=int, default=100, help="prompt tokens (words)")
     p.add_argument("--output-len", type=int, default=128, help="tokens generated per request")
+    p.add_argument("--temperature", type=float, default=0.0, help="0: greedy (the default)")
+    p.add_argument("--top-p", type=float, help="nucleus sampling (default: none sent)")
     p.add_argument("--targets", nargs="+", choices=TARGETS, default=list(DEFAULT_TARGETS))
     p.add_argument(
         "--peer",
