@@ -80,9 +80,9 @@ def apply_penalties(logits: torch.Tensor, row: SampleRow) -> None:
 def _sample_random(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
     temperatures = [row.params.temperature for row in rows]
     if any(t != 1.0 for t in temperatures):
-        logits = logits / torch.tensor(temperatures).unsqueeze(1)
+        logits = logits / torch.tensor(temperatures, device=logits.device).unsqueeze(1)
     probs = filtered_probs(logits, rows)
-    u = torch.cat([uniform(row.generator) for row in rows])
+    u = torch.cat([uniform(row.generator) for row in rows]).to(logits.device)
     return inverse_cdf(probs, u)
 
 
@@ -102,7 +102,7 @@ def inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     target = (u * ends[:, -1]).unsqueeze(1)
     block = torch.searchsorted(ends, target, right=True).clamp_(max=ends.shape[1] - 1)
     before = torch.where(block > 0, ends.gather(1, (block - 1).clamp_(min=0)), 0.0)
-    chosen = blocks[torch.arange(rows), block.squeeze(1)]  # [R, CDF_BLOCK]
+    chosen = blocks[torch.arange(rows, device=probs.device), block.squeeze(1)]  # [R, CDF_BLOCK]
     offset = torch.searchsorted(
         chosen.double().cumsum(dim=-1), target - before, right=True
     ).squeeze(1)
@@ -134,7 +134,7 @@ def filtered_probs(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
         keep &= _top_p_mask(probs, top_p)
     if any(min_p):
         peak = probs.max(dim=-1, keepdim=True).values
-        keep &= probs >= torch.tensor(min_p).unsqueeze(1) * peak
+        keep &= probs >= torch.tensor(min_p, device=probs.device).unsqueeze(1) * peak
     keep.scatter_(1, ops.argmax(probs).unsqueeze(1), True)
     kept = probs.masked_fill_(~keep, 0.0)
     return kept.div_(kept.sum(dim=-1, keepdim=True))
@@ -145,11 +145,11 @@ def _top_k_mask(probs: torch.Tensor, top_k: list[int]) -> torch.Tensor:
     with k = vocab keeps every token."""
     vocab = probs.shape[1]
     limited = [i for i, k in enumerate(top_k) if k < vocab]
-    ks = torch.tensor([top_k[i] for i in limited]).unsqueeze(1)
+    ks = torch.tensor([top_k[i] for i in limited], device=probs.device).unsqueeze(1)
     order = _rows(probs, limited).topk(int(ks.max()), dim=-1).indices
     keep = torch.ones_like(probs, dtype=torch.bool)
     keep[limited] = torch.zeros_like(keep[limited]).scatter_(
-        1, order, torch.arange(order.shape[1]) < ks
+        1, order, torch.arange(order.shape[1], device=probs.device) < ks
     )
     return keep
 
@@ -168,8 +168,9 @@ def _top_p_mask(probs: torch.Tensor, top_p: list[float]) -> torch.Tensor:
         if not todo:
             break
         values, order = _rows(probs, todo).topk(head, dim=-1)
-        inside = values.cumsum(dim=-1) - values <= torch.tensor([top_p[i] for i in todo])[:, None]
-        ends_inside = ~inside[:, -1] if head < vocab else torch.ones(len(todo), dtype=torch.bool)
+        limits = torch.tensor([top_p[i] for i in todo], device=probs.device).unsqueeze(1)
+        inside = values.cumsum(dim=-1) - values <= limits
+        ends_inside = ~inside[:, -1] if head < vocab else torch.ones_like(inside[:, 0])
         done = [i for i, flag in zip(todo, ends_inside.tolist(), strict=True) if flag]
         if done:
             keep[done] = torch.zeros_like(keep[done]).scatter_(

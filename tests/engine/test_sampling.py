@@ -228,3 +228,22 @@ def test_default_sampling_draws_from_the_softmax() -> None:
     ]
     counts = torch.bincount(torch.tensor(sample(logits, rows).token_ids), minlength=4)
     assert (counts / 4000 - probs).abs().max() < 0.03  # ~4 standard deviations
+
+
+@pytest.mark.gpu
+def test_sampling_on_cuda_logits_stays_inside_the_filters() -> None:
+    """Logits on the GPU (the engine samples them where the model left them): seeded draws,
+    top_k and top_p rows, every token inside its row's filter, the greedy row its argmax."""
+    generator = torch.Generator().manual_seed(4)
+    logits = (torch.randn(3, 5000, generator=generator) * 4).cuda()
+    params = [
+        SamplingParams(temperature=0.8, top_p=0.9, seed=1),
+        SamplingParams(temperature=1.0, top_k=20, seed=2),
+        SamplingParams(temperature=0),
+    ]
+    rows = [SampleRow(p, [], [], (), torch.Generator().manual_seed(7)) for p in params]
+    picks = [sample(logits, rows).token_ids for _ in range(50)]
+    nucleus = set(nucleus_by_sorting((logits[0].cpu() / 0.8).softmax(-1), 0.9))
+    top20 = set(logits[1].cpu().topk(20).indices.tolist())
+    assert all(p[0] in nucleus and p[1] in top20 for p in picks)
+    assert {p[2] for p in picks} == {int(logits[2].argmax())}
