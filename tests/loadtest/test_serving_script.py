@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from loadtest.client import RequestResult
+from loadtest.config import SamplingConfig
 from loadtest.sample import SampleRequest
 
 SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "serving.py"
@@ -121,6 +122,9 @@ def test_flags() -> None:
     assert flags[flags.index("--device") + 1] == "cuda"
     assert gpu.models == ["gpu-0.5b"] and gpu.source == Path("src")
     assert full.models == ["smollm2", "overhead"]
+    assert (full.temperature, full.top_p) == (0.0, None)  # greedy unless asked
+    sampled = serving.parse_args(["--temperature", "1", "--top-p", "0.9"])
+    assert (sampled.temperature, sampled.top_p) == (1.0, 0.9)
 
 
 def test_overhead_model_streams_every_token_in_process(tiny_llama: Path, tmp_path: Path) -> None:
@@ -152,7 +156,8 @@ def test_http_session_times_a_server_without_busy_counter(serve, monkeypatch) ->
     monkeypatch.setattr(serving, "STATS_SETTLE_S", 0.0)
     server = serve(ttft_s=0.05, itl_s=0.01)
     samples = [SampleRequest(f"word{i} and more", 3, 6) for i in range(8)]
-    workload = serving.Workload(samples, WordCounter(), num_prompts=None)
+    sampling = SamplingConfig(temperature=0.7, top_p=0.9, ignore_eos=True)
+    workload = serving.Workload(samples, WordCounter(), None, sampling)
     args = serving.parse_args(["--models", "overhead", "--concurrency", "2", "4"])
     rounds = serving.http_session(server.url, workload, args)
 
@@ -164,4 +169,5 @@ def test_http_session_times_a_server_without_busy_counter(serve, monkeypatch) ->
         assert measured.itl_p50_ms == pytest.approx(10.0, abs=8.0)
         assert measured.busy is None  # the fake server has no /metrics
     sent = server.received[serving.WARMUP_REQUESTS :]
-    assert all(p["ignore_eos"] and p["temperature"] == 0.0 and p["stream"] for p in sent)
+    assert all(p["ignore_eos"] and p["stream"] for p in sent)
+    assert all(p["temperature"] == 0.7 and p["top_p"] == 0.9 for p in sent)
