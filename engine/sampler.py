@@ -109,7 +109,8 @@ def inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     # Summed in another order, the block's tokens may end a hair short of the target: then
     # the block's last token that has any probability.
     last = CDF_BLOCK - 1 - (chosen > 0).flip(1).int().argmax(dim=1)
-    return block.squeeze(1) * CDF_BLOCK + torch.where(offset < CDF_BLOCK, offset, last)
+    picked = block.squeeze(1) * CDF_BLOCK + torch.where(offset < CDF_BLOCK, offset, last)
+    return picked.clamp_(max=vocab - 1)  # (a row with no mass at all, NaN logits: never padding)
 
 
 def uniform(generator: torch.Generator | None) -> torch.Tensor:

@@ -231,6 +231,7 @@ def test_default_sampling_draws_from_the_softmax() -> None:
 
 
 @pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_sampling_on_cuda_logits_stays_inside_the_filters() -> None:
     """Logits on the GPU (the engine samples them where the model left them): seeded draws,
     top_k and top_p rows, every token inside its row's filter, the greedy row its argmax."""
