@@ -176,6 +176,13 @@ class KVSender:
     def _drain(self, keep: int) -> None:
         while len(self._inflight) > keep:
             pending, job, start = self._inflight.popleft()
+            key = job.ticket.channel_key
+            if key in self._dead_keys:
+                # Its channel broke on an earlier send (a peer killed mid-transfer): waiting here
+                # would time out again, once per send in flight, and hold every other channel's
+                # transfers behind this thread for that long.
+                self._fail_quietly(job, TransferError(f"channel {key} broke earlier"))
+                continue
             try:
                 pending.wait(self.timeout)
             except TransferError as err:
@@ -199,10 +206,14 @@ class KVSender:
         request_id = job.ticket.request_id
         log.warning("KV transfer of %s to %s failed: %s", request_id, job.ticket.decode_id, err)
         self._drop_channel(job.ticket.channel_key)
-        # A step frame speaks for several requests: each fails on its own next job instead.
+        self._fail_quietly(job, err)
+
+    def _fail_quietly(self, job: Job, err: TransferError) -> None:
+        """Fails the job's request unless it failed already. A step frame speaks for several
+        requests: each fails on its own next job instead."""
         is_step = isinstance(job, _SendFrame) and isinstance(job.frame, StepFrame)
-        if request_id not in self._failed and not is_step:
-            self._fail(request_id, err)
+        if job.ticket.request_id not in self._failed and not is_step:
+            self._fail(job.ticket.request_id, err)
 
     def _channel(self, ticket: Ticket) -> Channel:
         key = ticket.channel_key

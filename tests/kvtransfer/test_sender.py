@@ -4,6 +4,7 @@ request's on_finished reports, when sends succeed, fail, or the request is abort
 from __future__ import annotations
 
 import functools
+import time
 from typing import NamedTuple
 
 import pytest
@@ -21,10 +22,14 @@ TO_D0, TO_D1 = "p0->d0#0", "p0->d1#0"
 
 
 class FakePending:
-    def __init__(self, error: TransferError | None) -> None:
+    def __init__(self, error: TransferError | None, hangs: bool = False) -> None:
         self.error = error
+        self.hangs = hangs  # a send to a killed peer: nothing completes it before the deadline
 
     def wait(self, timeout: float | None) -> None:
+        if self.hangs:
+            time.sleep(timeout or 0.0)
+            raise TransferError(f"no completion in {timeout} s")
         if self.error is not None:
             raise self.error
 
@@ -33,10 +38,11 @@ class FakeChannel:
     """Keeps a copy of each tensor posted and completes it at once. From its `break_at`-th send
     on (counting from 0) it is broken: sends raise when posted (`on_post`) or when waited on."""
 
-    def __init__(self, break_at: int | None, on_post: bool) -> None:
+    def __init__(self, break_at: int | None, on_post: bool, hangs: bool = False) -> None:
         self.posted: list[torch.Tensor] = []
         self.break_at = break_at
         self.on_post = on_post
+        self.hangs = hangs
         self.broken = False
         self.closed = False
 
@@ -45,7 +51,7 @@ class FakeChannel:
         if self.broken and self.on_post:
             raise TransferError("peer went away")
         self.posted.append(tensor.clone())
-        return FakePending(TransferError("peer went away") if self.broken else None)
+        return FakePending(TransferError("peer went away") if self.broken else None, self.hangs)
 
     def send(self, tensor: torch.Tensor, timeout: float) -> None:
         self.send_async(tensor).wait(timeout)
@@ -70,10 +76,13 @@ class FakeTransport:
         break_at: dict[str, int] | None = None,
         on_post: bool = False,
         refuse: frozenset[str] = frozenset(),
+        hang: frozenset[str] = frozenset(),
     ) -> None:
+        """`hang` keys: every send on them hangs until the sender's deadline."""
         self.break_at = break_at or {}
         self.on_post = on_post
         self.refuse = refuse
+        self.hang = hang
         self.channels: dict[str, FakeChannel] = {}
         self.connects: list[str] = []
 
@@ -81,7 +90,7 @@ class FakeTransport:
         self.connects.append(key)
         if key in self.refuse:
             raise TransferError(f"nobody accepted {key}")
-        self.channels[key] = FakeChannel(self.break_at.get(key), self.on_post)
+        self.channels[key] = FakeChannel(self.break_at.get(key), self.on_post, key in self.hang)
         return self.channels[key]
 
     def accept(self, rendezvous: object, key: str, timeout: float) -> FakeChannel:
@@ -120,9 +129,9 @@ def nbytes(tensors: list[torch.Tensor]) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
-def start_sender(transport: FakeTransport) -> tuple[KVSender, list[Finished]]:
+def start_sender(transport: FakeTransport, timeout: float = 1.0) -> tuple[KVSender, list[Finished]]:
     finished: list[Finished] = []
-    sender = KVSender(transport, 1.0, lambda *report: finished.append(Finished(*report)))
+    sender = KVSender(transport, timeout, lambda *report: finished.append(Finished(*report)))
     return sender, finished
 
 
@@ -248,3 +257,25 @@ def test_abort_frame_reports_a_transfer_error() -> None:
     assert report.request_id == "A"
     assert isinstance(report.error, TransferError) and str(report.error) == "client went away"
     assert report.record.bytes_sent == nbytes([sent])
+
+
+def test_a_dead_peer_costs_one_deadline_not_one_per_send_in_flight() -> None:
+    """Every send to D0 hangs (its decode worker was killed): the first one waited on times out
+    and fails A; the other sends A had in flight are not waited on again, so B, on D1, is sent
+    and reported one deadline later, not WINDOW deadlines later."""
+    a, b = ticket("A", 3, TO_D0), ticket("B", 2, TO_D1)
+    transport = FakeTransport(hang=frozenset({TO_D0}))
+    deadline = 0.3
+    sender, finished = start_sender(transport, timeout=deadline)
+    started = time.monotonic()
+    send_step(sender, [a])  # 1 frame + 6 payloads in flight on D0
+    send_step(sender, [b])
+    sender.send_done(a, 11, None)
+    sender.send_done(b, 12, None)
+    sender.close(timeout=WINDOW * deadline + 5)
+    elapsed = time.monotonic() - started
+
+    reports = {f.request_id: f for f in finished}
+    assert isinstance(reports["A"].error, TransferError) and reports["B"].error is None
+    assert len(finished) == 2
+    assert deadline <= elapsed < 2.5 * deadline  # was one deadline per send in flight: ~7x
