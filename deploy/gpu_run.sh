@@ -1,16 +1,18 @@
 #!/usr/bin/env bash
-# On a lent GPU machine: the gpu tests, then served throughput on a 0.5B-class model, everything
+# On a lent GPU machine: served throughput on a 0.5B-class model, then the gpu tests, everything
 # written under $OUT. Packed here first by `python deploy/gpu_kit.py` (that machine reaches no
 # package registry and can download no model), then, with the device tool:
 #
 #     run(command="bash deploy/gpu_run.sh", carry=[".gpukit"], timeout_s=600)
-#     run(command="bash deploy/gpu_run.sh bench", ...)   # one step: tests | bench
+#     run(command="bash deploy/gpu_run.sh bench", ...)   # one step: bench | tests
 #
-# tests: every test marked gpu (the Triton kernels against their torch references, on CUDA);
-# bench: benchmarks/serving.py, in-process against `tandem serve` colocated on the one GPU, at
-# 16 and 64 streams (ROUNDS, default 1), on "gpu-0.5b": Qwen2.5-0.5B's shape with random
-# weights and SmolLM2's tokenizer, built there from .gpukit/source. Each step has a deadline
-# (TESTS_S, BENCH_S) that leaves the call's 600 s room for the other.
+# bench (first: the number a lease is for): benchmarks/serving.py, in-process against
+# `tandem serve` colocated on the one GPU, at CONCURRENCY streams (default 16 and 64) over ROUNDS
+# interleaved rounds (default 1), on "gpu-0.5b": Qwen2.5-0.5B's shape with random weights and
+# SmolLM2's tokenizer, built there from .gpukit/source;
+# tests: every test marked gpu (the Triton kernels against their torch references, the engine
+# against transformers, sampling on CUDA logits).
+# Each step has a deadline (BENCH_S, TESTS_S) that leaves the call's 600 s room for the other.
 set -uo pipefail
 STEPS=${1:-all}
 OUT=${OUT:-/tmp/gpu-out}
@@ -30,16 +32,17 @@ print(sys.version.split()[0], 'torch', torch.__version__, 'triton', triton.__ver
       'transformers', transformers.__version__, 'cuda', torch.cuda.is_available())" \
     2>&1 | tee "$OUT/versions.txt"
 status=0
+if [ "$STEPS" = all ] || [ "$STEPS" = bench ]; then
+    timeout "${BENCH_S:-300}" python3 benchmarks/serving.py --models gpu-0.5b \
+        --source "$KIT/source" --device cuda --concurrency ${CONCURRENCY:-16 64} \
+        --rounds "${ROUNDS:-1}" --targets inprocess colocated --json "$OUT/serving-gpu.json" \
+        2>&1 | tee "$OUT/serving.log"
+    status=$((status | PIPESTATUS[0]))
+fi
 if [ "$STEPS" = all ] || [ "$STEPS" = tests ]; then
     mapfile -t files < <(grep -rl "mark.gpu" tests)
     timeout "${TESTS_S:-240}" python3 -m pytest -q -m gpu -p no:cacheprovider "${files[@]}" \
         2>&1 | tee "$OUT/gpu-tests.log"
-    status=$((status | PIPESTATUS[0]))
-fi
-if [ "$STEPS" = all ] || [ "$STEPS" = bench ]; then
-    timeout "${BENCH_S:-300}" python3 benchmarks/serving.py --models gpu-0.5b \
-        --source "$KIT/source" --device cuda --concurrency 16 64 --rounds "${ROUNDS:-1}" \
-        --targets inprocess colocated --json "$OUT/serving-gpu.json" 2>&1 | tee "$OUT/serving.log"
     status=$((status | PIPESTATUS[0]))
 fi
 exit "$status"

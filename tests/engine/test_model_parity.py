@@ -66,3 +66,19 @@ def test_prefill_logits_close_to_transformers(checkpoints, family: str) -> None:
     llm.engine.runner.model.forward = spy
     llm.generate_ids([prompt_ids], SamplingParams(max_tokens=1, temperature=0))
     torch.testing.assert_close(captured[0][0], expected, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
+def test_greedy_tokens_on_cuda_match_transformers(checkpoints, family: str) -> None:
+    """The engine on a GPU (Triton kernels, float32 exact dots) against transformers on the CPU:
+    the same 32 tokens, each prompt alone and all three batched."""
+    folder = checkpoints(family)
+    llm = LLM(folder, dtype="float32", device="cuda")
+    prompts = [llm.tokenizer.encode(p) for p in PROMPTS]
+    expected = [hf_greedy(folder, ids, 32) for ids in prompts]
+    batched = [out.token_ids for out in llm.generate_ids(prompts, GREEDY_32)]
+    alone = [llm.generate_ids([ids], GREEDY_32)[0].token_ids for ids in prompts]
+    assert batched == expected
+    assert alone == expected
