@@ -488,6 +488,8 @@ def max_num_seqs(args: argparse.Namespace) -> int:
 
 def serve_args(model: Path, layout: str, args: argparse.Namespace) -> list[str]:
     threads = ["--threads-per-worker", str(args.engine_threads)] if args.engine_threads else []
+    if args.gpus_per_worker is not None:
+        threads += ["--gpus-per-worker", str(args.gpus_per_worker)]
     return ["--model", str(model), *LAYOUTS[layout], "--no-prefix-caching", "--dtype", args.dtype,
             "--kv-cache-memory", str(args.kv_cache_memory),
             "--max-num-seqs", str(max_num_seqs(args)), "--log-level", "warning",
@@ -727,6 +729,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                    help="torch threads of every engine, in-process and served (default: the "
                         "in-process engine and a colocated worker get every core; "
                         "coordinator/builder.py splits them in 1P1D)")  # fmt: skip
+    p.add_argument("--gpus-per-worker", type=float, metavar="FRACTION",
+                   help="each served worker's share of a GPU (0.5: 1P1D on one GPU; default: "
+                        "tandem serve's, one GPU each)")  # fmt: skip
     p.add_argument("--quick", action="store_true", help="1 round, concurrency 16, overhead model")
     p.add_argument("--json", type=Path, help="write the summary and every round here")
     args = p.parse_args(argv)

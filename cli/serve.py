@@ -243,6 +243,14 @@ def _add_cluster_flags(g: argparse._ArgumentGroup) -> None:
         "cores / decode workers, as decode uses the cores prefill leaves idle)",
     )
     g.add_argument(
+        "--gpus-per-worker",
+        type=float,
+        default=_deploy("gpus_per_worker"),
+        metavar="FRACTION",
+        help="each rank's share of a GPU with --device cuda (default 1; 0.5 puts a prefill and "
+        "a decode worker on one GPU, their KV moving through host memory over gloo)",
+    )
+    g.add_argument(
         "--placement-timeout",
         type=float,
         default=_deploy("placement_timeout"),
@@ -388,6 +396,7 @@ def deploy_config(args: argparse.Namespace) -> DeployConfig:
         routing=args.routing,
         placement_timeout=args.placement_timeout,
         threads_per_worker=args.threads_per_worker,
+        gpus_per_worker=args.gpus_per_worker,
         model_name=args.served_model_name,
         prefill_tp=args.prefill_tp,
         decode_tp=args.decode_tp,

@@ -246,7 +246,7 @@ class WorkerSpawner:
         worker_id = f"{pool}-{index}"
         engine = replace(self.engine, tensor_parallel_size=self.tensor_parallel(pool))
         self.worker_ranks[worker_id] = engine.tensor_parallel_size
-        args = (worker_id, engine, self.deploy.kv_transport, self.deploy.transfer_timeout)
+        args = (worker_id, engine, self.kv_transport(), self.deploy.transfer_timeout)
         options = self._options(None if pool == "colocated" else pool)
         placement = self._place_ranks(worker_id, engine.tensor_parallel_size, options)
         role = "prefill" if pool == "prefill" else "decode"
@@ -293,7 +293,7 @@ class WorkerSpawner:
 
         bundle = {"CPU": self.num_cpus}
         if self.engine.device.startswith("cuda"):
-            bundle["GPU"] = 1.0
+            bundle["GPU"] = self.deploy.gpus_per_worker
         ranks = max(self.tensor_parallel(pool) for pool in self.pools())
         request_resources(bundles=[bundle] * (workers * ranks))
 
@@ -364,10 +364,18 @@ class WorkerSpawner:
                 "--prefill-workers / --decode-workers or --kv-cache-memory"
             )
 
+    def kv_transport(self) -> str:
+        """The deployment's transport; `auto` is gloo where workers share GPUs (NCCL refuses two
+        ranks of one communicator on one device), else the worker's own pick (nccl on CUDA)."""
+        sharing = self.engine.device.startswith("cuda") and self.deploy.gpus_per_worker < 1
+        if self.deploy.kv_transport == "auto" and sharing:
+            return "gloo"
+        return self.deploy.kv_transport
+
     def _options(self, pool: str | None) -> dict[str, Any]:
         options: dict[str, Any] = {"max_restarts": 0, "num_cpus": self.num_cpus}
         if self.engine.device.startswith("cuda"):
-            options["num_gpus"] = 1
+            options["num_gpus"] = self.deploy.gpus_per_worker
         if pool is not None and ray.cluster_resources().get(pool, 0) > 0:
             options["resources"] = {pool: 1}
         return options

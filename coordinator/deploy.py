@@ -26,6 +26,7 @@ class DeployConfig:
     local_prefill_threshold: int = 0  # tokens; shorter uncached prompts prefill on decode
     routing: str = "load"  # coordinator/router.py POLICIES
     threads_per_worker: int | None = None  # CPU only; default: coordinator/builder.py's split
+    gpus_per_worker: float = 1.0  # CUDA only: each rank's share of a GPU (0.5: two per GPU)
     placement_timeout: float = 30.0  # seconds Ray may take to place each worker's process
     model_name: str | None = None  # served id; default: the model folder's name
     prefill_tp: int | None = None  # ranks per prefill worker; default: the engine's
@@ -54,6 +55,11 @@ class DeployConfig:
         if self.planner_slo is not None and self.mode == "colocated":
             raise ConfigError(
                 "the planner sizes prefill and decode pools: use --mode disaggregated"
+            )
+        if not 0 < self.gpus_per_worker <= 1:
+            raise ConfigError(
+                "--gpus-per-worker must be in (0, 1]: a rank's share of one GPU (0.5 puts two "
+                "workers on each GPU)"
             )
         if self.planner_interval <= 0:
             raise ConfigError("--planner-interval must be > 0")

@@ -11,7 +11,7 @@ import ray
 
 from coordinator.builder import WorkerSpawner, connect_ray
 from coordinator.deploy import DeployConfig
-from engine.config import EngineConfig
+from engine.config import ConfigError, EngineConfig
 
 
 @pytest.fixture
@@ -67,3 +67,29 @@ def test_torch_threads_per_pool(monkeypatch, cores, deploy, expected) -> None:
     monkeypatch.setattr(ray, "cluster_resources", lambda: {"CPU": float(cores)})
     spawner = WorkerSpawner(EngineConfig(model="unused"), deploy)
     assert {pool: spawner.threads[pool] for pool in expected} == expected
+
+
+@pytest.mark.parametrize(
+    ("device", "deploy", "num_gpus", "transport"),
+    [
+        ("cpu", DeployConfig(), None, "auto"),
+        ("cuda", DeployConfig(), 1.0, "auto"),  # auto: the worker picks nccl
+        # two workers on one GPU: NCCL refuses two ranks on one device, so auto means gloo
+        ("cuda", DeployConfig(gpus_per_worker=0.5), 0.5, "gloo"),
+        ("cuda", DeployConfig(gpus_per_worker=0.5, kv_transport="ucx"), 0.5, "ucx"),
+    ],
+)  # fmt: skip
+def test_each_worker_asks_for_its_share_of_a_gpu(
+    monkeypatch, device, deploy, num_gpus, transport
+) -> None:
+    monkeypatch.setattr(ray, "cluster_resources", lambda: {"CPU": 16.0, "GPU": 1.0})
+    spawner = WorkerSpawner(EngineConfig(model="unused", device=device), deploy)
+    options = spawner._options("decode")
+    assert options.get("num_gpus") == num_gpus
+    assert spawner.kv_transport() == transport
+
+
+@pytest.mark.parametrize("share", [0.0, -0.5, 1.5])
+def test_a_gpu_share_outside_zero_to_one_is_refused(share: float) -> None:
+    with pytest.raises(ConfigError, match="--gpus-per-worker must be in"):
+        DeployConfig(gpus_per_worker=share)

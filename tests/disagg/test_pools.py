@@ -7,6 +7,7 @@ import asyncio
 
 import pytest
 import ray
+import torch
 
 from engine.config import ModelConfig
 from engine.llm import LLM
@@ -42,6 +43,21 @@ def run_all(loop, client, prompts, params=GREEDY, tag="r") -> list[list[int]]:
         )
 
     return [final.token_ids for final, _ in loop.run(go())]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("mode", ["colocated", "disaggregated"])
+def test_pools_on_one_gpu_equal_transformers(
+    tiny_llama, build_pool, loop, prompts, expected, mode
+) -> None:
+    """Workers on CUDA sharing one GPU (half each): 1P1D moves every layer's KV from GPU to
+    GPU through host memory over gloo, as `--gpus-per-worker 0.5` deploys it."""
+    client = build_pool(
+        tiny_llama, engine_options={"device": "cuda"}, mode=mode, num_prefill=1, num_decode=1,
+        gpus_per_worker=0.5,
+    )  # fmt: skip
+    assert run_all(loop, client, prompts) == expected
 
 
 @pytest.mark.parametrize("num_prefill,num_decode", [(1, 1), (2, 1), (1, 2)])

@@ -14,14 +14,17 @@ from tests.support.triton_cases import HALF_DTYPES, compiled, device, interprete
 
 DTYPES = [*HALF_DTYPES, torch.float32]
 BF16_ULP = 2**-7
+FP16_ULP = 2**-10
 
 
 def assert_rounded_close(got: torch.Tensor, want: torch.Tensor) -> None:
     assert got.dtype == want.dtype and got.shape == want.shape
     if got.dtype == torch.bfloat16:  # a unit in the last place per rounding (values below 8)
         torch.testing.assert_close(got.float(), want.float(), rtol=2 * BF16_ULP, atol=4 * BF16_ULP)
-    elif got.dtype == torch.float16:  # float32 sums in another order may flip a rounding
-        torch.testing.assert_close(got.float(), want.float(), rtol=2**-10, atol=1e-5)
+    elif got.dtype == torch.float16:
+        # float32 sums in another order may flip the rounding of the normalised value, and the
+        # weight multiply carries that unit (seen on an H200: 5 of 1.2M values 1.7 units apart)
+        torch.testing.assert_close(got.float(), want.float(), rtol=2 * FP16_ULP, atol=1e-5)
     else:
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
 

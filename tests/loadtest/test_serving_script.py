@@ -121,6 +121,10 @@ def test_flags() -> None:
     flags = serving.serve_args(Path("m"), "colocated", gpu)
     assert flags[flags.index("--device") + 1] == "cuda"
     assert gpu.models == ["gpu-0.5b"] and gpu.source == Path("src")
+    assert "--gpus-per-worker" not in flags  # tandem serve's default: a GPU each
+    shared = serving.parse_args(["--device", "cuda", "--gpus-per-worker", "0.5"])
+    flags = serving.serve_args(Path("m"), "1p1d", shared)
+    assert flags[flags.index("--gpus-per-worker") + 1] == "0.5"
     assert full.models == ["smollm2", "overhead"]
     assert (full.temperature, full.top_p) == (0.0, None)  # greedy unless asked
     sampled = serving.parse_args(["--temperature", "1", "--top-p", "0.9"])
