@@ -470,6 +470,7 @@ def engine_config(model: Path, args: argparse.Namespace) -> EngineConfig:
         max_num_batched_tokens=args.max_num_batched_tokens,
         enable_prefix_caching=False,
         device=device(args),
+        cuda_graphs=not args.enforce_eager,
     )
 
 
@@ -490,6 +491,8 @@ def serve_args(model: Path, layout: str, args: argparse.Namespace) -> list[str]:
     threads = ["--threads-per-worker", str(args.engine_threads)] if args.engine_threads else []
     if args.gpus_per_worker is not None:
         threads += ["--gpus-per-worker", str(args.gpus_per_worker)]
+    if args.enforce_eager:
+        threads.append("--enforce-eager")
     return ["--model", str(model), *LAYOUTS[layout], "--no-prefix-caching", "--dtype", args.dtype,
             "--kv-cache-memory", str(args.kv_cache_memory),
             "--max-num-seqs", str(max_num_seqs(args)), "--log-level", "warning",
@@ -732,6 +735,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--gpus-per-worker", type=float, metavar="FRACTION",
                    help="each served worker's share of a GPU (0.5: 1P1D on one GPU; default: "
                         "tandem serve's, one GPU each)")  # fmt: skip
+    p.add_argument(
+        "--enforce-eager",
+        action="store_true",
+        help="on CUDA, every engine's decode steps eager (no CUDA graphs)",
+    )
     p.add_argument("--quick", action="store_true", help="1 round, concurrency 16, overhead model")
     p.add_argument("--json", type=Path, help="write the summary and every round here")
     args = p.parse_args(argv)

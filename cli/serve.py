@@ -151,6 +151,11 @@ def _add_model_flags(g: argparse._ArgumentGroup) -> None:
     )
     g.add_argument("--seed", type=int, default=engine("seed"), help="seeds unseeded sampling")
     g.add_argument(
+        "--enforce-eager",
+        action="store_true",
+        help="on CUDA, run every decode step eagerly instead of replaying CUDA graphs",
+    )
+    g.add_argument(
         "--tensor-parallel-size",
         "-tp",
         type=int,
@@ -431,6 +436,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         enable_prefix_caching=args.prefix_caching,
         seed=args.seed,
         tensor_parallel_size=args.tensor_parallel_size,
+        cuda_graphs=not args.enforce_eager,
     )
 
 

@@ -244,7 +244,12 @@ class WorkerSpawner:
         index = self._next_index.get(pool, 0)
         self._next_index[pool] = index + 1
         worker_id = f"{pool}-{index}"
-        engine = replace(self.engine, tensor_parallel_size=self.tensor_parallel(pool))
+        engine = replace(
+            self.engine,
+            tensor_parallel_size=self.tensor_parallel(pool),
+            # a prefill worker's steps run layer hooks, which graphs do not hold
+            cuda_graphs=self.engine.cuda_graphs and pool != "prefill",
+        )
         self.worker_ranks[worker_id] = engine.tensor_parallel_size
         args = (worker_id, engine, self.kv_transport(), self.deploy.transfer_timeout)
         options = self._options(None if pool == "colocated" else pool)

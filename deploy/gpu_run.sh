@@ -1,20 +1,22 @@
 #!/usr/bin/env bash
-# On a lent GPU machine: served throughput on a 0.5B-class model, then the gpu tests, everything
+# On a lent GPU machine: the gpu tests and served throughput on a 0.5B-class model, everything
 # written under $OUT. Packed here first by `python deploy/gpu_kit.py` (that machine reaches no
 # package registry and can download no model), then, with the device tool:
 #
 #     run(command="bash deploy/gpu_run.sh", carry=[".gpukit"], timeout_s=600)
-#     run(command="bash deploy/gpu_run.sh bench", ...)   # one step: bench | tests
+#     run(command="bash deploy/gpu_run.sh tests bench eager", ...)   # steps, in this order
 #
-# bench (first: the number a lease is for): benchmarks/serving.py, in-process against
-# `tandem serve` colocated on the one GPU, at CONCURRENCY streams (default 16 and 64) over ROUNDS
-# interleaved rounds (default 1), on "gpu-0.5b": Qwen2.5-0.5B's shape with random weights and
-# SmolLM2's tokenizer, built there from .gpukit/source;
+# bench (the default, with tests after it): benchmarks/serving.py, in-process against
+# `tandem serve` on the one GPU (TARGETS, default in-process, colocated and 1P1D, every worker
+# on half the GPU: --gpus-per-worker 0.5), at CONCURRENCY streams (default 16 and 64) over
+# ROUNDS interleaved rounds (default 1), on "gpu-0.5b": Qwen2.5-0.5B's shape with random
+# weights and SmolLM2's tokenizer, built there from .gpukit/source;
+# eager: the same with --enforce-eager (no CUDA graphs), in-process and colocated, one round;
 # tests: every test marked gpu (the Triton kernels against their torch references, the engine
-# against transformers, sampling on CUDA logits).
-# Each step has a deadline (BENCH_S, TESTS_S) that leaves the call's 600 s room for the other.
+# against transformers, CUDA graphs against eager steps, pools sharing the GPU, sampling).
+# Each step has a deadline (BENCH_S, EAGER_S, TESTS_S) so that the others keep their time.
 set -uo pipefail
-STEPS=${1:-all}
+STEPS=${*:-bench tests}
 OUT=${OUT:-/tmp/gpu-out}
 KIT=.gpukit
 mkdir -p "$OUT"
@@ -31,18 +33,40 @@ print(sys.version.split()[0], 'torch', torch.__version__, 'triton', triton.__ver
       'ray', ray.__version__, 'fastapi', fastapi.__version__,
       'transformers', transformers.__version__, 'cuda', torch.cuda.is_available())" \
     2>&1 | tee "$OUT/versions.txt"
+
+serving() {  # NAME SECONDS ARGS...: one benchmarks/serving.py run, its table in $OUT/NAME.*
+    local name=$1 seconds=$2
+    shift 2
+    timeout "$seconds" python3 benchmarks/serving.py --models gpu-0.5b --source "$KIT/source" \
+        --device cuda --concurrency ${CONCURRENCY:-16 64} --gpus-per-worker 0.5 \
+        --json "$OUT/$name.json" "$@" 2>&1 | grep -v "it/s]" | tee "$OUT/$name.log"
+    return "${PIPESTATUS[0]}"
+}
+
 status=0
-if [ "$STEPS" = all ] || [ "$STEPS" = bench ]; then
-    timeout "${BENCH_S:-300}" python3 benchmarks/serving.py --models gpu-0.5b \
-        --source "$KIT/source" --device cuda --concurrency ${CONCURRENCY:-16 64} \
-        --rounds "${ROUNDS:-1}" --targets inprocess colocated --json "$OUT/serving-gpu.json" \
-        2>&1 | tee "$OUT/serving.log"
-    status=$((status | PIPESTATUS[0]))
-fi
-if [ "$STEPS" = all ] || [ "$STEPS" = tests ]; then
-    mapfile -t files < <(grep -rl "mark.gpu" tests)
-    timeout "${TESTS_S:-240}" python3 -m pytest -q -m gpu -p no:cacheprovider "${files[@]}" \
-        2>&1 | tee "$OUT/gpu-tests.log"
-    status=$((status | PIPESTATUS[0]))
-fi
+for step in $STEPS; do
+    case $step in
+    bench)
+        # shellcheck disable=SC2086
+        serving serving-gpu "${BENCH_S:-300}" --rounds "${ROUNDS:-1}" \
+            --targets ${TARGETS:-inprocess colocated 1p1d}
+        status=$((status | $?))
+        ;;
+    eager)
+        serving serving-gpu-eager "${EAGER_S:-120}" --rounds 1 --targets inprocess colocated \
+            --enforce-eager
+        status=$((status | $?))
+        ;;
+    tests)
+        mapfile -t files < <(grep -rl "mark.gpu" tests)
+        timeout "${TESTS_S:-240}" python3 -m pytest -q -m gpu -p no:cacheprovider "${files[@]}" \
+            2>&1 | tee "$OUT/gpu-tests.log"
+        status=$((status | PIPESTATUS[0]))
+        ;;
+    *)
+        echo "gpu_run: unknown step $step (bench, eager, tests)" >&2
+        exit 2
+        ;;
+    esac
+done
 exit "$status"

@@ -116,6 +116,9 @@ class EngineConfig:
     # (engine/scheduler.py). None: first come first served.
     late_after_s: float | None = None
     tensor_parallel_size: int = 1  # ranks (devices, or CPU cores) the model is split across
+    # On CUDA, decode steps replay captured graphs (engine/cuda_graphs.py); False: every step
+    # eager (`--enforce-eager`). No effect on the CPU or with tensor parallelism.
+    cuda_graphs: bool = True
     rank_timeout: float = 120.0  # seconds ranks may take to start, or to meet in a collective
 
     def __post_init__(self) -> None:

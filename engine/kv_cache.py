@@ -43,7 +43,9 @@ def allocate_kv_cache(
     device: torch.device | str,
     shard: TPShard | None = None,
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    shape = (num_blocks, block_size, (shard or single(cfg)).num_kv_heads, cfg.head_dim)
+    """`num_blocks` blocks and one more, block `num_blocks`, that no sequence is given: the
+    padding rows of a captured decode step write there (engine/cuda_graphs.py)."""
+    shape = (num_blocks + 1, block_size, (shard or single(cfg)).num_kv_heads, cfg.head_dim)
     return [
         (
             torch.zeros(shape, dtype=dtype, device=device),

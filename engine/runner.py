@@ -11,6 +11,7 @@ from torch.distributed import ProcessGroup
 
 from engine.block_manager import slots_of
 from engine.config import EngineConfig, ModelConfig
+from engine.cuda_graphs import DecodeGraphs
 from engine.forward_batch import ForwardBatch, PrefillSegment
 from engine.kv_cache import allocate_kv_cache
 from engine.model import CausalLM, LayerHook
@@ -71,6 +72,23 @@ class ModelRunner:
         )
         if self.ranks is not None:
             self.ranks.wait_ready()
+        self.graphs: DecodeGraphs | None = None
+        if engine_cfg.cuda_graphs and self.device.type == "cuda" and size == 1:
+            self.graphs = self.decode_graphs(model_cfg, engine_cfg, num_blocks, capture=True)
+
+    def decode_graphs(
+        self, model_cfg: ModelConfig, engine_cfg: EngineConfig, num_blocks: int, capture: bool
+    ) -> DecodeGraphs:
+        """Graphs for every decode step this engine can run: up to max_num_seqs rows, over up
+        to its longest context (padding rows write to block `num_blocks`)."""
+        max_context = min(
+            engine_cfg.max_model_len or model_cfg.max_model_len, num_blocks * self.block_size
+        )
+        return DecodeGraphs(
+            self.model, self.kv_caches, block_size=self.block_size,
+            max_batch=engine_cfg.max_num_seqs, max_context=max_context, pad_block=num_blocks,
+            capture=capture,
+        )  # fmt: skip
 
     @classmethod
     def follower(cls, spec: FollowerSpec, group: ProcessGroup) -> ModelRunner:
@@ -93,7 +111,17 @@ class ModelRunner:
         spec = self.build_spec(chunks)
         if self.ranks is not None:
             self.ranks.send(spec, extra)
-        logits = self.model(self.to_batch(spec), self.kv_caches, on_layer)  # `chunks` order
+        graphs = self.graphs
+        if (
+            graphs is not None
+            and on_layer is None
+            and graphs.fits(len(spec.input_ids), spec.decode_tables, bool(spec.prefills))
+        ):
+            logits = graphs.run(
+                spec.input_ids, spec.positions, spec.slots, spec.decode_tables, spec.decode_lens
+            )
+        else:
+            logits = self.model(self.to_batch(spec), self.kv_caches, on_layer)  # `chunks` order
         sampling = [chunk for chunk in chunks if chunk.samples]
         position = {id(chunk.seq): i for i, chunk in enumerate(sampling)}
         in_plan_order = [position[id(chunk.seq)] for chunk in plan.chunks if chunk.samples]
