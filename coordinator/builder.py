@@ -315,15 +315,16 @@ class WorkerSpawner:
             self._check_memory()
         needs = {"CPU": self.num_cpus * self.ranks}
         if self.engine.device.startswith("cuda"):
-            needs["GPU"] = float(self.ranks)
+            needs["GPU"] = self.ranks * self.deploy.gpus_per_worker
         have = ray.cluster_resources()
         missing = {k: v for k, v in needs.items() if have.get(k, 0.0) + 1e-9 < v}
         if missing and self.deploy.address is None:  # a cluster we started cannot grow
             wanted = ", ".join(f"{v:g} {k}" for k, v in missing.items())
             owned = ", ".join(f"{have.get(k, 0):g} {k}" for k in missing)
+            share = " or --gpus-per-worker" if "GPU" in missing else ""
             raise ConfigError(
                 f"the pools need {wanted} but this machine has {owned}: lower "
-                "--prefill-workers / --decode-workers (or use --device cpu)"
+                f"--prefill-workers / --decode-workers{share} (or use --device cpu)"
             )
 
     def unplaced(self, workers: dict[str, Any]) -> str | None:

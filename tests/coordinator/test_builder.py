@@ -93,3 +93,12 @@ def test_each_worker_asks_for_its_share_of_a_gpu(
 def test_a_gpu_share_outside_zero_to_one_is_refused(share: float) -> None:
     with pytest.raises(ConfigError, match="--gpus-per-worker must be in"):
         DeployConfig(gpus_per_worker=share)
+
+
+def test_workers_sharing_a_gpu_fit_on_one(monkeypatch) -> None:
+    """1P1D on one GPU: two halves fit, two wholes are refused naming the share flag."""
+    monkeypatch.setattr(ray, "cluster_resources", lambda: {"CPU": 16.0, "GPU": 1.0})
+    engine = EngineConfig(model="unused", device="cuda")
+    WorkerSpawner(engine, DeployConfig(gpus_per_worker=0.5)).check_room()
+    with pytest.raises(ConfigError, match=r"need 2 GPU .* has 1 GPU.*--gpus-per-worker"):
+        WorkerSpawner(engine, DeployConfig()).check_room()

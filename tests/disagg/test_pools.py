@@ -53,6 +53,7 @@ def test_pools_on_one_gpu_equal_transformers(
 ) -> None:
     """Workers on CUDA sharing one GPU (half each): 1P1D moves every layer's KV from GPU to
     GPU through host memory over gloo, as `--gpus-per-worker 0.5` deploys it."""
+    build_pool.stop_all()  # the one GPU holds one such pool at a time
     client = build_pool(
         tiny_llama, engine_options={"device": "cuda"}, mode=mode, num_prefill=1, num_decode=1,
         gpus_per_worker=0.5,
