@@ -72,8 +72,11 @@ class DecodeGraphs:
             for w in self.widths
         }
         self.logits_indices = torch.arange(rows, dtype=torch.int64, device=device)
-        self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
-        self._pad(rows)
+        # Every graph leaves its logits here, so one [rows, vocab] buffer serves them all (made
+        # by the first forward pass, outside any capture).
+        self.logits: torch.Tensor | None = None
+        self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
+        self._pad()
         if capture:
             self._capture_all()
 
@@ -112,9 +115,17 @@ class DecodeGraphs:
         self.tables[width][:rows].copy_(torch.from_numpy(padded))
         graph = self.graphs.get((rows, width))
         if graph is None:  # not captured (capture=False): the same padded step, eagerly
-            return self.model(self._batch(rows, width), self.kv_caches)[:n]
-        graph[0].replay()
-        return graph[1][:n]
+            self._forward(rows, width)
+        else:
+            graph.replay()
+        return self.logits[:n]
+
+    def _forward(self, rows: int, width: int) -> None:
+        """One padded step, its logits into `self.logits`: what each graph holds."""
+        logits = self.model(self._batch(rows, width), self.kv_caches)
+        if self.logits is None:
+            self.logits = logits.new_empty((self.batches[-1], logits.shape[1]))
+        self.logits[:rows].copy_(logits)
 
     def _batch(self, rows: int, width: int) -> ForwardBatch:
         return ForwardBatch(
@@ -128,7 +139,7 @@ class DecodeGraphs:
             logits_indices=self.logits_indices[:rows],
         )
 
-    def _pad(self, rows: int) -> None:
+    def _pad(self) -> None:
         """Every row a padding row: what the graphs run on while they are captured."""
         self.inputs[0:2].zero_()
         self.inputs[2].fill_(self.pad_block * self.block_size)
@@ -139,18 +150,18 @@ class DecodeGraphs:
     @torch.inference_mode()
     def _capture_all(self) -> None:
         """Largest first, all in one memory pool: a smaller graph's temporaries fit in the
-        memory a larger one freed."""
+        memory a larger one freed, and the logits of all go to one buffer (per-graph outputs
+        would hold rows x vocabulary each: gigabytes at 256 rows of a 150k vocabulary)."""
         pool = torch.cuda.graph_pool_handle()
         side = torch.cuda.Stream()
         for width in reversed(self.widths):
             for rows in reversed(self.batches):
-                batch = self._batch(rows, width)
                 side.wait_stream(torch.cuda.current_stream())
                 with torch.cuda.stream(side):  # compiles the kernels and warms cuBLAS
-                    self.model(batch, self.kv_caches)
+                    self._forward(rows, width)
                 torch.cuda.current_stream().wait_stream(side)
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=pool):
-                    logits = self.model(batch, self.kv_caches)
-                self.graphs[(rows, width)] = (graph, logits)
+                    self._forward(rows, width)
+                self.graphs[(rows, width)] = graph
         torch.cuda.synchronize()

@@ -98,6 +98,8 @@ class ServerMetrics:
                 num_new = len(output.delta_token_ids)
                 if last is None:
                     self._first_output(output, now - arrival)
+                    for _ in range(num_new - 1):  # tokens joined to the first came with it
+                        self.itl.observe(0.0)
                 elif num_new:  # a batch of k tokens counts as k gaps of 1/k of the wait
                     for _ in range(num_new):
                         self.itl.observe((now - last) / num_new)
