@@ -14,7 +14,8 @@
 # eager: the same with --enforce-eager (no CUDA graphs), in-process and colocated, one round;
 # tests: every test marked gpu (the Triton kernels against their torch references, the engine
 # against transformers, CUDA graphs against eager steps, pools sharing the GPU, sampling).
-# Each step has a deadline (BENCH_S, EAGER_S, TESTS_S) so that the others keep their time.
+# Each step has a deadline (BENCH_S, EAGER_S, TESTS_S) so that the others keep their time; at
+# it the step gets SIGINT, so pytest still prints its failures so far (a SIGTERM lost them once).
 set -uo pipefail
 STEPS=${*:-bench tests}
 OUT=${OUT:-/tmp/gpu-out}
@@ -37,9 +38,9 @@ print(sys.version.split()[0], 'torch', torch.__version__, 'triton', triton.__ver
 serving() {  # NAME SECONDS ARGS...: one benchmarks/serving.py run, its table in $OUT/NAME.*
     local name=$1 seconds=$2
     shift 2
-    timeout "$seconds" python3 benchmarks/serving.py --models gpu-0.5b --source "$KIT/source" \
-        --device cuda --concurrency ${CONCURRENCY:-16 64} --gpus-per-worker 0.5 \
-        --json "$OUT/$name.json" "$@" 2>&1 | grep -v "it/s]" | tee "$OUT/$name.log"
+    timeout -s INT -k 20 "$seconds" python3 benchmarks/serving.py --models gpu-0.5b \
+        --source "$KIT/source" --device cuda --concurrency ${CONCURRENCY:-16 64} \
+        --gpus-per-worker 0.5 --json "$OUT/$name.json" "$@" 2>&1 | grep -v "it/s]" | tee "$OUT/$name.log"
     return "${PIPESTATUS[0]}"
 }
 
@@ -59,7 +60,8 @@ for step in $STEPS; do
         ;;
     tests)
         mapfile -t files < <(grep -rl "mark.gpu" tests)
-        timeout "${TESTS_S:-240}" python3 -m pytest -q -m gpu -p no:cacheprovider "${files[@]}" \
+        timeout -s INT -k 20 "${TESTS_S:-240}" python3 -m pytest -q -rf -m gpu -p no:cacheprovider \
+            "${files[@]}" \
             2>&1 | tee "$OUT/gpu-tests.log"
         status=$((status | PIPESTATUS[0]))
         ;;
