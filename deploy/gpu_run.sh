@@ -40,7 +40,8 @@ serving() {  # NAME SECONDS ARGS...: one benchmarks/serving.py run, its table in
     shift 2
     timeout -s INT -k 20 "$seconds" python3 benchmarks/serving.py --models gpu-0.5b \
         --source "$KIT/source" --device cuda --concurrency ${CONCURRENCY:-16 64} \
-        --gpus-per-worker 0.5 --json "$OUT/$name.json" "$@" 2>&1 | grep -v "it/s]" | tee "$OUT/$name.log"
+        --gpus-per-worker 0.5 --json "$OUT/$name.json" "$@" 2>&1 |
+        grep -v "it/s]" | tee "$OUT/$name.log"
     return "${PIPESTATUS[0]}"
 }
 
