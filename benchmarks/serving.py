@@ -10,6 +10,9 @@ every target rather than on one:
 
 - inprocess: `AsyncEngine` over `LLMEngine` in this process, driven by asyncio (the model
   loaded on one thread, every core on the engine thread, as a served worker does);
+- stepped (not a default): `LLMEngine.step()` in a plain loop, the same closed loop of streams
+  with no asyncio, detokenizing or HTTP: the ceiling (on a GPU the in-process target's client
+  shares the engine's GIL at 2-3 ms a step and falls below the served one);
 - colocated: `tandem serve --mode colocated --prefill-workers 0 --decode-workers 1` (one worker,
   every core);
 - 1p1d: `tandem serve --mode disaggregated --prefill-workers 1 --decode-workers 1` (the decode
@@ -90,6 +93,7 @@ if TYPE_CHECKING:  # torch loads with the engine: only the in-process target pay
     from protocol.sampling import SamplingParams
 
 INPROCESS = "inprocess"
+STEPPED = "stepped"  # not a default: the engine stepped in a plain loop (see stepped_session)
 LAYOUTS = {  # served targets: their `tandem serve` layout flags
     "colocated": ("--mode", "colocated", "--prefill-workers", "0", "--decode-workers", "1"),
     "1p1d": ("--mode", "disaggregated", "--prefill-workers", "1", "--decode-workers", "1"),
@@ -105,7 +109,7 @@ LAYOUTS = {  # served targets: their `tandem serve` layout flags
     "colocated-tp2": ("--mode", "colocated", "--prefill-workers", "0", "--decode-workers", "1",
                       "--tensor-parallel-size", "2"),
 }  # fmt: skip
-TARGETS = (INPROCESS, *LAYOUTS)
+TARGETS = (INPROCESS, STEPPED, *LAYOUTS)
 DEFAULT_TARGETS = (INPROCESS, "colocated", "1p1d")
 MODELS = ("smollm2", "overhead", "gpu-0.5b")
 DEFAULT_MODELS = ("smollm2", "overhead")
@@ -264,6 +268,15 @@ async def measure(
     before = await endpoint.busy_seconds()
     results, wall_s = await drive(endpoint.send, samples, concurrency)
     after = await endpoint.busy_seconds()
+    return round_of(results, wall_s, busy_fractions(before, after, wall_s), counter)
+
+
+def round_of(
+    results: list[RequestResult],
+    wall_s: float,
+    busy: dict[str, float] | None,
+    counter: TokenCounter,
+) -> Round:
     results = [with_output_tokens(r, counter) for r in results]
     m = compute_metrics(results, wall_s, (50.0, 99.0), None)
     return Round(
@@ -276,7 +289,7 @@ async def measure(
         completed=m.completed,
         failed=m.failed,
         duration_s=wall_s,
-        busy=busy_fractions(before, after, wall_s),
+        busy=busy,
         first_error=next((r.error for r in results if r.error), None),
     )
 
@@ -344,18 +357,11 @@ class EngineEndpoint:
     timeout_s: float
 
     async def send(self, sample: SampleRequest) -> RequestResult:
-        from protocol.sampling import SamplingParams
-
         timing = TextTiming(sent_at=time.perf_counter())
         ids = self.engine.tokenizer.encode(
             sample.prompt
         )  # as the server encodes a completions prompt
-        params = SamplingParams(
-            max_tokens=sample.expected_output_len,
-            temperature=self.sampling.temperature,
-            top_p=self.sampling.top_p or 1.0,
-            ignore_eos=True,
-        )
+        params = sampling_params(self.sampling, sample)
         try:
             await asyncio.wait_for(self._stream(ids, params, timing), self.timeout_s)
             error = None
@@ -374,6 +380,18 @@ class EngineEndpoint:
     async def busy_seconds(self) -> dict[str, float]:
         # The engine thread's own step timer: the span the servers' counter covers.
         return {"engine": float(self.engine.step_fields().get("engine_busy_seconds", 0.0))}
+
+
+def sampling_params(sampling: SamplingConfig, sample: SampleRequest) -> SamplingParams:
+    """What the in-process targets ask the engine for: the HTTP targets' request, EOS ignored."""
+    from protocol.sampling import SamplingParams
+
+    return SamplingParams(
+        max_tokens=sample.expected_output_len,
+        temperature=sampling.temperature,
+        top_p=sampling.top_p or 1.0,
+        ignore_eos=True,
+    )
 
 
 @dataclass
@@ -460,6 +478,96 @@ async def _engine_rounds(
         endpoint.engine.shutdown()
 
 
+def stepped_session(model: Path, workload: Workload, args: argparse.Namespace) -> dict[int, Round]:
+    """The engine stepped in a plain loop on this thread: no asyncio, no detokenizing, no HTTP;
+    the same closed loop of `concurrency` streams over the same prompts. Its rate is the
+    ceiling of the other targets: on a GPU, where a step takes 2-3 ms, the in-process target's
+    client and asyncio wrapper share the engine's GIL and fall below it (docs/performance.md)."""
+    import torch
+
+    from engine.engine import LLMEngine
+    from engine.tokenizer import Tokenizer
+
+    torch.set_num_threads(args.engine_threads or os.cpu_count() or 1)
+    engine = LLMEngine(engine_config(model, args))
+    tokenizer = Tokenizer(model)
+    warm = [s._replace(expected_output_len=WARMUP_TOKENS) for s in workload.samples]
+    run_stepped(engine, tokenizer, warm[:WARMUP_REQUESTS], WARMUP_REQUESTS, workload, args)
+    rounds = {}
+    for c in args.concurrency:
+        samples = workload.for_concurrency(c)
+        results, wall_s, busy_s = run_stepped(engine, tokenizer, samples, c, workload, args)
+        rounds[c] = round_of(results, wall_s, {"engine": busy_s / wall_s}, workload.counter)
+    engine.close()
+    return rounds
+
+
+def run_stepped(
+    engine, tokenizer, samples: Sequence[SampleRequest], concurrency: int, workload: Workload,
+    args: argparse.Namespace,
+) -> tuple[list[RequestResult], float, float]:  # fmt: skip
+    """Results in sample order, the wall time, and the time spent inside step()."""
+    from protocol.messages import RequestFailed
+
+    ids = [tokenizer.encode(s.prompt) for s in samples]
+    queue = iter(range(len(samples)))
+    sent_at: dict[int, float] = {}
+    arrivals: dict[int, list[float]] = {i: [] for i in range(len(samples))}
+    errors: dict[int, str] = {}
+
+    def add() -> int:
+        index = next(queue, None)
+        if index is None:
+            return 0
+        sent_at[index] = time.perf_counter()
+        params = sampling_params(workload.sampling, samples[index])
+        engine.add_request(f"s{index}", ids[index], params)
+        return 1
+
+    started = time.perf_counter()
+    deadline = started + args.request_timeout * max(1, len(samples) // max(1, concurrency))
+    in_flight = sum(add() for _ in range(concurrency))
+    busy_s = 0.0
+    while in_flight:
+        if time.perf_counter() > deadline:
+            raise SessionError(f"stepped engine: {in_flight} requests unfinished at the deadline")
+        before = time.perf_counter()
+        updates = engine.step()
+        now = time.perf_counter()
+        busy_s += now - before
+        for update in updates:
+            index = int(update.request_id[1:])
+            if isinstance(update, RequestFailed):
+                errors[index] = update.reason
+            else:
+                arrivals[index].extend([now] * len(update.token_ids))
+                if update.finish_reason is None:
+                    continue
+            in_flight += add() - 1
+    wall_s = time.perf_counter() - started
+    return [_stepped_result(i, ids, sent_at, arrivals, errors) for i in sent_at], wall_s, busy_s
+
+
+def _stepped_result(
+    index: int,
+    ids: list[list[int]],
+    sent_at: dict[int, float],
+    arrivals: dict[int, list[float]],
+    errors: dict[int, str],
+) -> RequestResult:
+    times, sent = arrivals[index], sent_at[index]
+    return RequestResult(
+        prompt_len=len(ids[index]),
+        sent_at=sent,
+        ttft=times[0] - sent if times else None,
+        itl=tuple(b - a for a, b in zip(times, times[1:], strict=False)),
+        latency=times[-1] - sent if times else None,
+        output_tokens=len(times),
+        generated_text="",
+        error=errors.get(index),
+    )
+
+
 def engine_config(model: Path, args: argparse.Namespace) -> EngineConfig:
     """The engine every served worker runs, from the same flags serve_args passes on."""
     return EngineConfig(
@@ -541,6 +649,8 @@ def run_session(
 ) -> dict[int, Round]:
     if target == INPROCESS:
         return engine_session(model, workload, args)
+    if target == STEPPED:
+        return stepped_session(model, workload, args)
     if target in LAYOUTS:
         return served_session(model, target, workload, args, work)
     return http_session(args.peers[target], workload, args)

@@ -151,6 +151,20 @@ def test_overhead_model_streams_every_token_in_process(tiny_llama: Path, tmp_pat
     assert 0 < measured.busy["engine"] <= 1.0
 
 
+def test_the_stepped_engine_serves_the_same_requests(tiny_llama: Path) -> None:
+    args = serving.parse_args(
+        ["--concurrency", "2", "--num-prompts", "5", "--input-len", "12", "--output-len", "8",
+         "--dtype", "float32", "--kv-cache-memory", str(8 << 20), "--targets", "stepped"]
+    )  # fmt: skip
+    rounds = serving.run_session(
+        "stepped", tiny_llama, serving.make_workload(tiny_llama, args), args, Path()
+    )
+    measured = rounds[2]
+    assert (measured.completed, measured.failed, measured.output_tokens) == (5, 0, 5 * 8)
+    assert measured.output_tok_s > 0 and measured.ttft_p50_ms > 0 and measured.itl_p50_ms > 0
+    assert 0 < measured.busy["engine"] <= 1.0
+
+
 class WordCounter:
     def count(self, text: str) -> int:
         return len(text.split())
