@@ -7,11 +7,11 @@
 #     run(command="bash deploy/gpu_run.sh tests bench eager", ...)   # steps, in this order
 #
 # bench (the default, with tests after it): benchmarks/serving.py, in-process against
-# `tandem serve` on the one GPU (TARGETS, default in-process, colocated and 1P1D, every worker
-# on half the GPU: --gpus-per-worker 0.5), at CONCURRENCY streams (default 16 and 64) over
+# `tandem serve` on the one GPU (TARGETS, default stepped, in-process, colocated and 1P1D, every
+# worker on half the GPU: --gpus-per-worker 0.5), at CONCURRENCY streams (default 16 and 64) over
 # ROUNDS interleaved rounds (default 1), on "gpu-0.5b": Qwen2.5-0.5B's shape with random
 # weights and SmolLM2's tokenizer, built there from .gpukit/source;
-# eager: the same with --enforce-eager (no CUDA graphs), in-process and colocated, one round;
+# eager: the same with --enforce-eager (no CUDA graphs), stepped and colocated, one round;
 # tests: every test marked gpu (the Triton kernels against their torch references, the engine
 # against transformers, CUDA graphs against eager steps, pools sharing the GPU, sampling).
 # Each step has a deadline (BENCH_S, EAGER_S, TESTS_S) so that the others keep their time; at
@@ -51,11 +51,11 @@ for step in $STEPS; do
     bench)
         # shellcheck disable=SC2086
         serving serving-gpu "${BENCH_S:-300}" --rounds "${ROUNDS:-1}" \
-            --targets ${TARGETS:-inprocess colocated 1p1d}
+            --targets ${TARGETS:-stepped inprocess colocated 1p1d}
         status=$((status | $?))
         ;;
     eager)
-        serving serving-gpu-eager "${EAGER_S:-120}" --rounds 1 --targets inprocess colocated \
+        serving serving-gpu-eager "${EAGER_S:-120}" --rounds 1 --targets stepped colocated \
             --enforce-eager
         status=$((status | $?))
         ;;
