@@ -492,13 +492,15 @@ def stepped_session(model: Path, workload: Workload, args: argparse.Namespace) -
     engine = LLMEngine(engine_config(model, args))
     tokenizer = Tokenizer(model)
     warm = [s._replace(expected_output_len=WARMUP_TOKENS) for s in workload.samples]
-    run_stepped(engine, tokenizer, warm[:WARMUP_REQUESTS], WARMUP_REQUESTS, workload, args)
     rounds = {}
-    for c in args.concurrency:
-        samples = workload.for_concurrency(c)
-        results, wall_s, busy_s = run_stepped(engine, tokenizer, samples, c, workload, args)
-        rounds[c] = round_of(results, wall_s, {"engine": busy_s / wall_s}, workload.counter)
-    engine.close()
+    try:
+        run_stepped(engine, tokenizer, warm[:WARMUP_REQUESTS], WARMUP_REQUESTS, workload, args)
+        for c in args.concurrency:
+            samples = workload.for_concurrency(c)
+            results, wall_s, busy_s = run_stepped(engine, tokenizer, samples, c, workload, args)
+            rounds[c] = round_of(results, wall_s, {"engine": busy_s / wall_s}, workload.counter)
+    finally:  # tensor-parallel followers end with it
+        engine.close()
     return rounds
 
 
@@ -596,17 +598,17 @@ def max_num_seqs(args: argparse.Namespace) -> int:
 
 
 def serve_args(model: Path, layout: str, args: argparse.Namespace) -> list[str]:
-    threads = ["--threads-per-worker", str(args.engine_threads)] if args.engine_threads else []
+    extra = ["--threads-per-worker", str(args.engine_threads)] if args.engine_threads else []
     if args.gpus_per_worker is not None:
-        threads += ["--gpus-per-worker", str(args.gpus_per_worker)]
+        extra += ["--gpus-per-worker", str(args.gpus_per_worker)]
     if args.enforce_eager:
-        threads.append("--enforce-eager")
+        extra.append("--enforce-eager")
     return ["--model", str(model), *LAYOUTS[layout], "--no-prefix-caching", "--dtype", args.dtype,
             "--kv-cache-memory", str(args.kv_cache_memory),
             "--max-num-seqs", str(max_num_seqs(args)), "--log-level", "warning",
             "--max-num-batched-tokens", str(args.max_num_batched_tokens),
             "--device", args.device,
-            *threads]  # fmt: skip
+            *extra]  # fmt: skip
 
 
 def served_session(

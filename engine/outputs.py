@@ -3,9 +3,8 @@
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import NamedTuple
 
 from protocol.sampling import TokenLogprobs
@@ -65,7 +64,7 @@ async def read_stream(
 def joined(earlier: RequestOutput, later: RequestOutput) -> RequestOutput:
     """`later`, carrying `earlier`'s new tokens and text as well (every other field of an
     output is the request's state so far, which `later` holds)."""
-    return dataclasses.replace(
+    return replace(
         later,
         delta_token_ids=earlier.delta_token_ids + later.delta_token_ids,
         delta_text=earlier.delta_text + later.delta_text,
