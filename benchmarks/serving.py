@@ -101,6 +101,10 @@ LAYOUTS = {  # served targets: their `tandem serve` layout flags
     # both cores whenever the prefill worker idles.
     "1p1d-shared": ("--mode", "disaggregated", "--prefill-workers", "1", "--decode-workers", "1",
                     "--threads-per-worker", str(os.cpu_count() or 1)),
+    # 1P1D on a fixed split: the decode worker on every core, the prefill worker on its share,
+    # whoever computes (the default before the workers lent each other cores).
+    "1p1d-fixed": ("--mode", "disaggregated", "--prefill-workers", "1", "--decode-workers", "1",
+                   "--no-lend-cores"),
     # 1P1D with cost routing: the decode worker prefills a prompt itself when that is cheaper
     # than waiting behind the prefill worker's queue (conditional disaggregation).
     "1p1d-cost": ("--mode", "disaggregated", "--prefill-workers", "1", "--decode-workers", "1",

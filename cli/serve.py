@@ -248,6 +248,14 @@ def _add_cluster_flags(g: argparse._ArgumentGroup) -> None:
         "cores / decode workers, as decode uses the cores prefill leaves idle)",
     )
     g.add_argument(
+        "--lend-cores",
+        action=argparse.BooleanOptionalAction,
+        default=_deploy("lend_cores"),
+        help="with the default thread split on CPU, a worker steps on every core while the "
+        "others on its host are idle, and on its share while they compute "
+        "(kernels/core_share.py)",
+    )
+    g.add_argument(
         "--gpus-per-worker",
         type=float,
         default=_deploy("gpus_per_worker"),
@@ -401,6 +409,7 @@ def deploy_config(args: argparse.Namespace) -> DeployConfig:
         routing=args.routing,
         placement_timeout=args.placement_timeout,
         threads_per_worker=args.threads_per_worker,
+        lend_cores=args.lend_cores,
         gpus_per_worker=args.gpus_per_worker,
         model_name=args.served_model_name,
         prefill_tp=args.prefill_tp,

@@ -26,6 +26,7 @@ import logging
 import os
 import signal
 import threading
+import weakref
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -45,6 +46,7 @@ from planning.cost_model import Calibrated, StepCostModel
 from planning.model_file import PROFILE_FILE, CostModelError
 from planning.planner import Planner, PlannerConfig
 from planning.slo import SloError, parse_slo, planner_targets
+from protocol.core_ledger import new_ledger, sweep
 from protocol.kv import DTYPE_BYTES
 
 log = logging.getLogger(__name__)
@@ -216,12 +218,31 @@ class WorkerSpawner:
         self.threads["decode"] = max(1, cores // max(1, self.ranks - prefill_ranks))
         if deploy.threads_per_worker:
             self.threads = dict.fromkeys(self.threads, deploy.threads_per_worker)
+        self.core_share = self._core_share()
         self._next_index: dict[str, int] = {}
         self._groups: dict[str, Any] = {}  # worker id -> its placement group (TP > 1)
         self.worker_ranks: dict[str, int] = {}  # worker id -> its tensor-parallel ranks
 
     def tensor_parallel(self, pool: str) -> int:
         return self.deploy.tensor_parallel(pool, self.engine.tensor_parallel_size)
+
+    def _core_share(self) -> tuple[str, int] | None:
+        """The split above lets a decode worker use the cores the prefill workers hold while
+        idle. Rather than preempt each other's threads when both compute, the workers share a
+        core ledger (protocol/core_ledger.py) and each steps on its share of the cores among
+        those computing. None where workers do not share: colocated, on GPUs, with
+        --threads-per-worker or --no-lend-cores."""
+        if (
+            self.deploy.mode == "colocated"
+            or self.engine.device.startswith("cuda")
+            or not self.deploy.lend_cores
+            or self.threads["decode"] <= self.threads["prefill"]
+        ):
+            return None
+        sweep()  # ledgers that servers killed with SIGKILL left behind
+        path = new_ledger()
+        weakref.finalize(self, _remove, path)  # once the coordinator lets the spawner go
+        return str(path), os.cpu_count() or 1
 
     def pools(self) -> list[str]:
         return ["colocated"] if self.deploy.mode == "colocated" else ["prefill", "decode"]
@@ -265,6 +286,7 @@ class WorkerSpawner:
                 verify_kv=self.deploy.kv_checksum,
                 kv_fault=self.deploy.kv_fault,
                 placement=placement,
+                core_share=self.core_share,
             )
         )
         return worker_id, handle
@@ -415,3 +437,7 @@ def _available_memory() -> int | None:
     except OSError:
         return None
     return None
+
+
+def _remove(path: Path) -> None:
+    path.unlink(missing_ok=True)

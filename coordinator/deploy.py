@@ -26,6 +26,7 @@ class DeployConfig:
     local_prefill_threshold: int = 0  # tokens; shorter uncached prompts prefill on decode
     routing: str = "load"  # coordinator/router.py POLICIES
     threads_per_worker: int | None = None  # CPU only; default: coordinator/builder.py's split
+    lend_cores: bool = True  # CPU workers sharing cores step on a share of the busy ones'
     gpus_per_worker: float = 1.0  # CUDA only: each rank's share of a GPU (0.5: two per GPU)
     placement_timeout: float = 30.0  # seconds Ray may take to place each worker's process
     model_name: str | None = None  # served id; default: the model folder's name

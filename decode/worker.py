@@ -26,6 +26,7 @@ import contextlib
 import logging
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import Future
 
 from decode.publisher import UpdatePublisher
@@ -52,10 +53,12 @@ class DecodeWorker:
         host: str = "127.0.0.1",
         verify_kv: bool = True,
         num_threads: int | None = None,
+        pace: Callable[[bool], None] | None = None,
     ) -> None:
         """Serves `engine` (idle, owned by no thread yet) until shutdown(), which leaves it
         idle again for another role. `verify_kv`: tickets ask for the KV's checksums.
-        `num_threads`: the engine thread's cores (default: the caller's torch thread count)."""
+        `num_threads`: the engine thread's cores (default: the caller's torch thread count);
+        `pace`: what may change them between steps (EngineThread)."""
         self.worker_id = worker_id
         self.verify_kv = verify_kv
         self.engine = engine
@@ -92,6 +95,7 @@ class DecodeWorker:
             self._crashed,
             housekeeping=self._expire_leases,
             num_threads=num_threads,
+            pace=pace,
         )
 
     # -- any thread ------------------------------------------------------------------------

@@ -29,12 +29,16 @@ class EngineThread:
         on_crash: Callable[[BaseException], None],
         housekeeping: Callable[[], None] | None = None,
         num_threads: int | None = None,
+        pace: Callable[[bool], None] | None = None,
     ) -> None:
         """`housekeeping()` runs every loop turn, at least every IDLE_WAIT_SECONDS.
         `num_threads`: the cores the engine's ops use (default: the creator's torch count).
+        `pace(busy)` runs on the engine thread before each turn's step, and with False as the
+        thread ends: it may change the thread's core count (kernels/core_share.py).
         Load the model on a thread kept at one torch thread, so that the engine thread's
         OpenMP team is the process's only one (kernels/threads.py)."""
         self._housekeeping = housekeeping
+        self._pace = pace
         # OpenMP thread counts are per thread: carry the creator's over unless told, or a fresh
         # thread would use every core whatever the worker was given.
         self._num_threads = num_threads or torch.get_num_threads()
@@ -86,7 +90,10 @@ class EngineThread:
                 self._run_calls(block=not self._has_work())
                 if self._housekeeping is not None:
                     self._housekeeping()
-                if self._has_work():
+                busy = self._has_work()
+                if self._pace is not None:
+                    self._pace(busy)
+                if busy:
                     started = time.perf_counter()
                     self._step()
                     self.steps.seconds.observe(time.perf_counter() - started)
@@ -95,6 +102,9 @@ class EngineThread:
             self.error = err
             self._on_crash(err)
             self._fail_pending(err)
+        finally:
+            if self._pace is not None:
+                self._pace(False)
 
     def _run_calls(self, block: bool) -> None:
         try:

@@ -91,12 +91,14 @@ class PrefillWorker:
         transfer_timeout: float,
         pipeline_layers: bool = True,
         num_threads: int | None = None,
+        pace: Callable[[bool], None] | None = None,
     ) -> None:
         """Serves `engine` (idle, owned by no thread yet) until shutdown(), which leaves it
         idle again for another role. `pipeline_layers=False` holds every layer back until the
         step's forward pass ends (send after prefill): the baseline that
         benchmarks/kv_transfer.py compares against. `num_threads`: the engine thread's cores
-        (default: the caller's torch thread count)."""
+        (default: the caller's torch thread count); `pace`: what may change them between
+        steps (EngineThread)."""
         self.worker_id = worker_id
         self.pipeline_layers = pipeline_layers
         self.engine = engine
@@ -107,6 +109,7 @@ class PrefillWorker:
         self._step_legs: list[LegChunk] = []  # this step's sends from this rank, in order
         self._held: list[tuple] = []
         self.ranks = engine.runner.ranks  # the follower ranks, under tensor parallelism
+        self._pace = pace  # a prompt's step is long: its cores are paced layer by layer too
         if self.ranks is not None:  # each sends its own routes
             self.ranks.call(["prefill", transport.name, transfer_timeout])
         self.thread = EngineThread(
@@ -115,6 +118,7 @@ class PrefillWorker:
             lambda: self.engine.has_unfinished,
             self._crashed,
             num_threads=num_threads,
+            pace=pace,
         )
 
     # -- any thread ------------------------------------------------------------------------
@@ -202,6 +206,8 @@ class PrefillWorker:
                 self.sender.send_done(leg, -1, None)
 
     def _send_layer(self, plan: StepPlan, layer: int) -> None:
+        if self._pace is not None:  # a decode worker that went idle leaves us its cores now
+            self._pace(True)
         key_cache, value_cache = self.engine.kv_caches[layer]
         now = time.monotonic()
         for leg, payload in pack_layer(self._step_legs, key_cache, value_cache):

@@ -20,6 +20,7 @@ import torch
 from decode.worker import DecodeWorker
 from engine.config import EngineConfig
 from engine.engine import LLMEngine
+from kernels.core_share import CorePacer
 from kernels.threads import use_threads
 from kvtransfer.transport import Transport, make_transport
 from prefill.worker import PrefillReport, PrefillWorker
@@ -30,6 +31,7 @@ from protocol.telemetry import Telemetry, read_telemetry
 from worker.ranks import ray_launcher
 
 ROLES = ("prefill", "decode")
+CoreShare = tuple[str, int]  # a core ledger's path, and the host cores its workers share
 log = logging.getLogger(__name__)
 
 
@@ -50,11 +52,13 @@ class WorkerActor:
         verify_kv: bool = True,
         kv_fault: str | None = None,  # tests only: see kvtransfer/faults.py
         placement: tuple[Any, dict[str, float]] | None = None,  # TP: group, bundle resources
+        core_share: CoreShare | None = None,  # see kernels/core_share.py
     ) -> None:
         # The engine thread alone runs parallel ops with `num_threads`; this thread loads the
         # model on one, so the process holds one OpenMP team (kernels/threads.py).
         use_threads(1)
         self.num_threads = num_threads
+        self.core_share = core_share
         self.worker_id = worker_id
         self.transfer_timeout = transfer_timeout
         self.verify_kv = verify_kv
@@ -78,6 +82,9 @@ class WorkerActor:
         self.worker: PrefillWorker | DecodeWorker = self._start(role)
 
     def _start(self, role: str) -> PrefillWorker | DecodeWorker:
+        pace = None
+        if self.core_share is not None and self.engine.runner.ranks is None:
+            pace = CorePacer(*self.core_share)
         if role == "prefill":
             return PrefillWorker(
                 self.worker_id,
@@ -85,6 +92,7 @@ class WorkerActor:
                 self.transport,
                 self.transfer_timeout,
                 num_threads=self.num_threads,
+                pace=pace,
             )
         return DecodeWorker(
             self.worker_id,
@@ -94,6 +102,7 @@ class WorkerActor:
             self.host,
             self.verify_kv,
             num_threads=self.num_threads,
+            pace=pace,
         )
 
     # -- both roles ------------------------------------------------------------------------

@@ -1,10 +1,13 @@
 """connect_ray: only a Ray cluster this process starts itself runs without token auth;
-WorkerSpawner: each pool's torch threads. Ray is never started here: ray.init,
-ray.is_initialized and ray.cluster_resources are stand-ins."""
+WorkerSpawner: each pool's torch threads, and the core ledger of workers that share cores.
+Ray is never started here: ray.init, ray.is_initialized and ray.cluster_resources are
+stand-ins."""
 
 from __future__ import annotations
 
+import gc
 import os
+from pathlib import Path
 
 import pytest
 import ray
@@ -12,6 +15,7 @@ import ray
 from coordinator.builder import WorkerSpawner, connect_ray
 from coordinator.deploy import DeployConfig
 from engine.config import ConfigError, EngineConfig
+from protocol.core_ledger import CoreLedger
 
 
 @pytest.fixture
@@ -67,6 +71,33 @@ def test_torch_threads_per_pool(monkeypatch, cores, deploy, expected) -> None:
     monkeypatch.setattr(ray, "cluster_resources", lambda: {"CPU": float(cores)})
     spawner = WorkerSpawner(EngineConfig(model="unused"), deploy)
     assert {pool: spawner.threads[pool] for pool in expected} == expected
+
+
+@pytest.mark.parametrize(
+    ("device", "deploy", "shares"),
+    [
+        ("cpu", DeployConfig(num_prefill=1, num_decode=1), True),
+        ("cpu", DeployConfig(num_prefill=1, num_decode=1, lend_cores=False), False),
+        ("cpu", DeployConfig(num_prefill=1, num_decode=1, threads_per_worker=1), False),
+        ("cpu", DeployConfig(mode="colocated", num_prefill=0, num_decode=1), False),
+        ("cuda", DeployConfig(num_prefill=1, num_decode=1), False),
+    ],
+)  # fmt: skip
+def test_workers_that_split_a_hosts_cores_share_a_core_ledger(
+    monkeypatch, device, deploy, shares
+) -> None:
+    monkeypatch.setattr(os, "cpu_count", lambda: 2)
+    monkeypatch.setattr(ray, "cluster_resources", lambda: {"CPU": 2.0, "GPU": 2.0})
+    spawner = WorkerSpawner(EngineConfig(model="unused", device=device), deploy)
+    if not shares:
+        assert spawner.core_share is None
+        return
+    path, cores = spawner.core_share
+    assert cores == 2 and Path(path).name.startswith(f"tandem-cores-{os.getpid()}-")
+    CoreLedger(path)  # the workers create it; the spawner removes it when it goes
+    del spawner
+    gc.collect()
+    assert not Path(path).exists()
 
 
 @pytest.mark.parametrize(

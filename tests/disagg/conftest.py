@@ -44,7 +44,7 @@ def build_pool(ray_cluster, loop):
     def build(checkpoint, engine_options=None, **deploy_options):
         engine_options = {"dtype": "float32", "block_size": 4, "num_kv_blocks": 256,
                           **(engine_options or {})}  # fmt: skip
-        deploy = DeployConfig(threads_per_worker=1, **deploy_options)
+        deploy = DeployConfig(**{"threads_per_worker": 1, **deploy_options})
         client = build_client(EngineConfig(checkpoint, **engine_options), deploy)
         loop.run(client.ready(), timeout=300)
         built.append(client)

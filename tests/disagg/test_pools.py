@@ -4,6 +4,9 @@
 from __future__ import annotations
 
 import asyncio
+import os
+import threading
+import time
 
 import pytest
 import ray
@@ -11,6 +14,7 @@ import torch
 
 from engine.config import ModelConfig
 from engine.llm import LLM
+from protocol.core_ledger import PREFIX, CoreLedger, ledger_dir
 from protocol.sampling import SamplingParams
 from tests.support.hf_reference import hf_greedy
 from tests.support.loop import collect
@@ -67,6 +71,37 @@ def test_disaggregated_equals_colocated(
 ) -> None:
     client = build_pool(tiny_llama, num_prefill=num_prefill, num_decode=num_decode)
     assert run_all(loop, client, prompts) == expected
+
+
+@pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="one core: nothing to share")
+def test_workers_sharing_the_cores_pace_them_with_the_same_output(
+    tiny_llama, build_pool, loop, prompts, expected
+) -> None:
+    """The default CPU split (prefill cores / workers, decode every core) with the core ledger
+    (kernels/core_share.py): workers marked busy while they compute, tokens unchanged, and
+    every mark gone once the workers idle."""
+    before = set(ledger_dir().glob(f"{PREFIX}{os.getpid()}-*"))
+    client = build_pool(tiny_llama, threads_per_worker=None)
+    (path,) = set(ledger_dir().glob(f"{PREFIX}{os.getpid()}-*")) - before
+    ledger, seen, done = CoreLedger(path), set(), threading.Event()
+
+    def watch() -> None:
+        while not done.wait(0.001):
+            seen.add(ledger.busy())
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    try:
+        assert run_all(loop, client, prompts) == expected
+    finally:
+        done.set()
+        watcher.join(10)
+    assert max(seen) >= 1
+    for _ in range(100):  # a worker unmarks on its first turn without work
+        if ledger.busy() == 0:
+            break
+        time.sleep(0.05)
+    assert ledger.busy() == 0
 
 
 def test_colocated_mode_prefills_everything_on_its_workers(

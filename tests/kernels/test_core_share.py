@@ -1,0 +1,137 @@
+"""Workers sharing a host's cores: the ledger they mark (protocol/core_ledger.py) and the pacer
+that sets an engine thread's cores from it (kernels/core_share.py)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+import torch
+
+from engine.engine_thread import EngineThread
+from kernels.core_share import CorePacer
+from protocol.core_ledger import PREFIX, CoreLedger, ledger_dir, new_ledger, sweep
+
+
+@pytest.fixture
+def sleeper():
+    """A live process that is not this one (its pid goes into the ledger)."""
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    yield child
+    child.kill()
+    child.wait(10)
+
+
+def on_a_thread(fn):
+    """fn() on a fresh thread (torch thread counts are per thread); its result."""
+    out = []
+    worker = threading.Thread(target=lambda: out.append(fn()))
+    worker.start()
+    worker.join(30)
+    return out[0]
+
+
+def test_the_ledger_counts_live_busy_processes(tmp_path, sleeper) -> None:
+    ledger = CoreLedger(tmp_path / "ledger")
+    assert ledger.busy() == 0
+    ledger.mark(os.getpid(), True)
+    ledger.mark(sleeper.pid, True)
+    assert ledger.busy() == 2
+    ledger.mark(os.getpid(), False)
+    assert ledger.busy() == 1
+    sleeper.kill()
+    sleeper.wait(10)
+    assert ledger.busy() == 0  # a dead process holds no cores, whatever its slot says
+
+
+def test_a_mark_in_one_process_is_seen_in_another(tmp_path) -> None:
+    path = tmp_path / "ledger"
+    ledger = CoreLedger(path)
+    code = (
+        "import os, sys; from protocol.core_ledger import CoreLedger; "
+        f"CoreLedger({str(path)!r}).mark(os.getpid(), True); print('marked', flush=True); "
+        "sys.stdin.readline()"
+    )
+    child = subprocess.Popen(
+        [sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert child.stdout.readline().strip() == "marked"
+        assert ledger.busy() == 1
+    finally:
+        child.communicate("\n", timeout=30)
+    assert ledger.busy() == 0
+
+
+def test_sweep_removes_only_ledgers_whose_creator_died() -> None:
+    done = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], check=True,
+                          capture_output=True, text=True)  # fmt: skip
+    dead = ledger_dir() / f"{PREFIX}{int(done.stdout)}-deadbeef"
+    mine = new_ledger()
+    try:
+        for path in (dead, mine):
+            CoreLedger(path)
+        assert dead in sweep()
+        assert not dead.exists() and mine.exists()
+    finally:
+        for path in (dead, mine):
+            path.unlink(missing_ok=True)
+
+
+def test_the_pacer_steps_on_a_share_of_the_busy_workers(tmp_path, sleeper) -> None:
+    pacer = CorePacer(tmp_path / "ledger", cores=4)
+
+    def counts() -> list[int]:
+        seen = []
+        pacer(True)  # alone: every core
+        seen.append(torch.get_num_threads())
+        pacer.ledger.mark(sleeper.pid, True)  # another worker starts computing
+        pacer(True)
+        seen.append(torch.get_num_threads())
+        pacer.ledger.mark(sleeper.pid, False)
+        pacer(True)
+        seen.append(torch.get_num_threads())
+        pacer(False)  # idle: its mark goes
+        return seen
+
+    assert on_a_thread(counts) == [4, 2, 4]
+    assert pacer.ledger.busy() == 0
+
+
+def test_the_pacer_never_goes_below_one_core(tmp_path, sleeper) -> None:
+    pacer = CorePacer(tmp_path / "ledger", cores=1)
+    pacer.ledger.mark(sleeper.pid, True)
+    assert on_a_thread(lambda: (pacer(True), torch.get_num_threads())[1]) == 1
+
+
+def test_the_engine_thread_paces_each_step_and_clears_its_mark_when_it_ends(tmp_path) -> None:
+    calls: list[bool] = []
+    pacer = CorePacer(tmp_path / "ledger", cores=2)
+    marked_while_stepping: list[int] = []
+
+    def step() -> None:
+        marked_while_stepping.append(pacer.ledger.busy())
+
+    def pace(busy: bool) -> None:
+        calls.append(busy)
+        pacer(busy)
+
+    engine = EngineThread(
+        "paced",
+        step,
+        has_work=lambda: len(marked_while_stepping) < 3,
+        on_crash=lambda err: None,
+        pace=pace,
+    )
+    for _ in range(200):  # 10 s at most
+        if len(marked_while_stepping) == 3:
+            break
+        time.sleep(0.05)
+    engine.stop()
+    assert marked_while_stepping == [1, 1, 1]
+    assert calls[:3] == [True, True, True] and calls[-1] is False
+    assert pacer.ledger.busy() == 0
