@@ -15,7 +15,9 @@
 # tests: every test marked gpu (the Triton kernels against their torch references, the engine
 # against transformers, CUDA graphs against eager steps, pools sharing the GPU, sampling).
 # Each step has a deadline (BENCH_S, EAGER_S, TESTS_S) so that the others keep their time; at
-# it the step gets SIGINT, so pytest still prints its failures so far (a SIGTERM lost them once).
+# it the step gets SIGINT, so pytest still prints its failures so far (a SIGTERM lost them once),
+# and every failure's traceback is in gpu-failures.log as it happens (a test that ignores SIGINT
+# until the SIGKILL 20 s later lost them too).
 set -uo pipefail
 STEPS=${*:-bench tests}
 OUT=${OUT:-/tmp/gpu-out}
@@ -61,7 +63,9 @@ for step in $STEPS; do
         ;;
     tests)
         mapfile -t files < <(grep -rl "mark.gpu" tests)
-        timeout -s INT -k 20 "${TESTS_S:-240}" python3 -m pytest -q -rf -m gpu -p no:cacheprovider \
+        # each failure's traceback lands in gpu-failures.log at once (tests/conftest.py)
+        TANDEM_FAILURE_LOG="$OUT/gpu-failures.log" \
+            timeout -s INT -k 20 "${TESTS_S:-240}" python3 -m pytest -q -rf -m gpu -p no:cacheprovider \
             "${files[@]}" \
             2>&1 | tee "$OUT/gpu-tests.log"
         status=$((status | PIPESTATUS[0]))

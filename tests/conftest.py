@@ -18,6 +18,16 @@ if importlib.util.find_spec("triton") is not None and not torch.cuda.is_availabl
 
 from tests.support.checkpoints import build_checkpoint  # noqa: E402
 
+FAILURE_LOG = os.environ.get("TANDEM_FAILURE_LOG")  # deploy/gpu_run.sh sets it
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    """With TANDEM_FAILURE_LOG set, each failure's traceback is appended to that file as it
+    happens: a run killed at its deadline (a GPU call) still says why its tests failed."""
+    if FAILURE_LOG and report.failed:
+        with open(FAILURE_LOG, "a") as log:
+            log.write(f"=== {report.nodeid} ({report.when})\n{report.longreprtext}\n\n")
+
 
 @pytest.fixture(scope="session")
 def checkpoints(tmp_path_factory: pytest.TempPathFactory):

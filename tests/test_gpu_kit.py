@@ -51,3 +51,18 @@ def test_the_tokenizer_is_copied_without_weights(tiny_llama: Path, tmp_path: Pat
     assert not any(name.endswith(".safetensors") for name in copied)
     with pytest.raises(SystemExit, match="no config.json or tokenizer.json"):
         gpu_kit.copy_tokenizer(tmp_path / "empty", tmp_path / "other")
+
+
+def test_failures_are_logged_as_they_happen(tmp_path, monkeypatch) -> None:
+    """deploy/gpu_run.sh's TANDEM_FAILURE_LOG: a GPU run cut off at its deadline keeps the
+    tracebacks of the failures it had."""
+    from types import SimpleNamespace
+
+    from tests import conftest
+
+    log = tmp_path / "failures.log"
+    monkeypatch.setattr(conftest, "FAILURE_LOG", str(log))
+    for failed, name in ((True, "tests/a.py::t1"), (False, "tests/a.py::t2")):
+        report = SimpleNamespace(failed=failed, nodeid=name, when="call", longreprtext="boom")
+        conftest.pytest_runtest_logreport(report)
+    assert log.read_text() == "=== tests/a.py::t1 (call)\nboom\n\n"

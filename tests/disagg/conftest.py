@@ -63,6 +63,15 @@ def build_pool(ray_cluster, loop):
     stop_all()
 
 
+@pytest.fixture(autouse=True)
+def _pools_end_with_their_test(request):
+    """Each test's pools stop when it ends: left running, they filled the session cluster's 32
+    CPUs (and ~15 GiB of worker processes), and a later test's workers waited for room."""
+    yield
+    if "build_pool" in request.fixturenames:
+        request.getfixturevalue("build_pool").stop_all()
+
+
 GREEDY = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
 
 
