@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import threading
 from collections.abc import AsyncIterator
+from dataclasses import replace
 
 from coordinator.api.streams import closing
 from engine.local_client import LocalEngineClient
@@ -75,7 +76,9 @@ class GatedClient(WrappedClient):
 
 
 class FailingClient(WrappedClient):
-    """Every request fails as if its engine died, after `fail_after` outputs."""
+    """Every request fails as if its engine died, once `fail_after` tokens are out (and
+    before it finishes): outputs that queued while the reader waited come joined
+    (engine.outputs.read_stream), so counting outputs would let a request finish."""
 
     def __init__(self, inner: LocalEngineClient, fail_after: int) -> None:
         super().__init__(inner)
@@ -85,9 +88,9 @@ class FailingClient(WrappedClient):
         self, prompt_ids: list[int], params: SamplingParams, request_id: str
     ) -> AsyncIterator[RequestOutput]:
         async with closing(self.inner.generate(prompt_ids, params, request_id)) as stream:
-            count = 0
+            sent = 0
             async for output in stream:
-                if count == self.fail_after:
+                yield replace(output, finish_reason=None, stop_reason=None)
+                sent += len(output.delta_token_ids)
+                if sent >= self.fail_after or output.finished:
                     raise EngineDeadError("decode worker lost")
-                count += 1
-                yield output
