@@ -45,7 +45,7 @@ def sweep() -> list[Path]:
     for path in ledger_dir().glob(f"{PREFIX}*"):
         pid = path.name[len(PREFIX) :].split("-")[0]
         if pid.isdigit() and not _alive(int(pid)):
-            with contextlib.suppress(FileNotFoundError):
+            with contextlib.suppress(FileNotFoundError, PermissionError):  # gone, or not ours
                 path.unlink()
                 removed.append(path)
     return removed
@@ -69,10 +69,6 @@ class CoreLedger:
     def busy(self) -> int:
         """How many live processes are marked busy."""
         return sum(1 for pid in self._slots.tolist() if pid and _alive(pid))
-
-    def close(self) -> None:
-        self._slots.release()
-        self._map.close()
 
 
 def _alive(pid: int) -> bool:
