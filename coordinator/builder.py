@@ -227,22 +227,23 @@ class WorkerSpawner:
         return self.deploy.tensor_parallel(pool, self.engine.tensor_parallel_size)
 
     def _core_share(self) -> tuple[str, int] | None:
-        """The split above lets a decode worker use the cores the prefill workers hold while
-        idle. Rather than preempt each other's threads when both compute, the workers share a
-        core ledger (protocol/core_ledger.py) and each steps on its share of the cores among
-        those computing. None where workers do not share: colocated, on GPUs, with
+        """Workers that each got fewer threads than the host has cores share a core ledger
+        (protocol/core_ledger.py) and step on their share of the cores among those computing:
+        a worker alone gets them all, and busy ones split them rather than preempt each
+        other's threads. None where no worker shares: on GPUs, one worker on every core, with
         --threads-per-worker or --no-lend-cores."""
+        cores = os.cpu_count() or 1
         if (
-            self.deploy.mode == "colocated"
-            or self.engine.device.startswith("cuda")
+            self.engine.device.startswith("cuda")
             or not self.deploy.lend_cores
-            or self.threads["decode"] <= self.threads["prefill"]
+            or self.deploy.threads_per_worker
+            or all(self.threads[pool] >= cores for pool in self.pools())
         ):
             return None
         sweep()  # ledgers that servers killed with SIGKILL left behind
         path = new_ledger()
         weakref.finalize(self, _remove, path)  # once the coordinator lets the spawner go
-        return str(path), os.cpu_count() or 1
+        return str(path), cores
 
     def pools(self) -> list[str]:
         return ["colocated"] if self.deploy.mode == "colocated" else ["prefill", "decode"]

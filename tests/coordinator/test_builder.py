@@ -79,7 +79,9 @@ def test_torch_threads_per_pool(monkeypatch, cores, deploy, expected) -> None:
         ("cpu", DeployConfig(num_prefill=1, num_decode=1), True),
         ("cpu", DeployConfig(num_prefill=1, num_decode=1, lend_cores=False), False),
         ("cpu", DeployConfig(num_prefill=1, num_decode=1, threads_per_worker=1), False),
-        ("cpu", DeployConfig(mode="colocated", num_prefill=0, num_decode=1), False),
+        ("cpu", DeployConfig(num_prefill=1, num_decode=2), True),  # one thread each
+        ("cpu", DeployConfig(mode="colocated", num_prefill=0, num_decode=1), False),  # all cores
+        ("cpu", DeployConfig(mode="colocated", num_prefill=0, num_decode=2), True),
         ("cuda", DeployConfig(num_prefill=1, num_decode=1), False),
     ],
 )  # fmt: skip
