@@ -3,10 +3,12 @@ submitted from other threads between steps (the engine itself is not thread-safe
 
 from __future__ import annotations
 
+import atexit
 import logging
 import queue
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
@@ -18,6 +20,21 @@ from protocol.stats import EngineHealth, StepTimer
 
 log = logging.getLogger(__name__)
 IDLE_WAIT_SECONDS = 0.05
+EXIT_WAIT_SECONDS = 2.0
+_live: weakref.WeakSet[EngineThread] = weakref.WeakSet()
+
+
+@atexit.register
+def _stop_at_exit() -> None:
+    """Engine threads are daemons, so a process may exit while one steps. Past this point
+    the interpreter ends any thread that asks for the GIL back, and one that does so inside
+    torch's C++ code (freeing a tensor) aborts the whole process on its way out. So every
+    engine thread is stopped here first, each given a step's time to finish."""
+    engines = list(_live)
+    for engine in engines:
+        engine._stop.set()
+    for engine in engines:
+        engine.stop(EXIT_WAIT_SECONDS)
 
 
 class EngineThread:
@@ -52,6 +69,7 @@ class EngineThread:
         self.steps = StepTimer()  # written by the engine thread only
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
+        _live.add(self)
 
     def submit(self, fn: Callable[..., Any], *args: Any) -> Future:
         """Runs fn(*args) on the engine thread between steps; the future holds its result."""

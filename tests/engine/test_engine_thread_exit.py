@@ -1,0 +1,45 @@
+"""A process that exits while an engine thread steps exits cleanly (engine/engine_thread.py's
+exit hook): without it, the interpreter ends the daemon thread inside torch's C++ code as it
+frees a tensor, and Ray's terminate handler turns that into an abort (exit 134: six runs of six
+with the hook unregistered, the child's "without-hook" mode)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+CHILD = """
+import sys, time
+import ray  # its C++ terminate handler is what turns the unwinding exit into an abort
+import torch
+import engine.engine_thread as engine_thread
+if sys.argv[1] == "without-hook":
+    import atexit
+    atexit.unregister(engine_thread._stop_at_exit)
+
+class Batch:
+    def __init__(self):
+        self.tensors = [torch.ones(256) for _ in range(200)]
+
+steps = []
+def step():
+    steps.append(Batch())
+    steps.pop()
+
+engine_thread.EngineThread("busy", step, has_work=lambda: True, on_crash=print)
+time.sleep(0.3)
+"""
+
+
+def exit_code(mode: str) -> int:
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "RAY_AUTH_MODE": "disabled"}
+    done = subprocess.run([sys.executable, "-c", CHILD, mode], cwd=ROOT, env=env,
+                          capture_output=True, timeout=120, check=False)  # fmt: skip
+    return done.returncode
+
+
+def test_exiting_while_an_engine_thread_steps_is_clean() -> None:
+    assert exit_code("with-hook") == 0
