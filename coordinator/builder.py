@@ -46,7 +46,7 @@ from planning.cost_model import Calibrated, StepCostModel
 from planning.model_file import PROFILE_FILE, CostModelError
 from planning.planner import Planner, PlannerConfig
 from planning.slo import SloError, parse_slo, planner_targets
-from protocol.core_ledger import new_ledger, sweep
+from protocol.core_ledger import CoreLedger, new_ledger, sweep
 from protocol.kv import DTYPE_BYTES
 
 log = logging.getLogger(__name__)
@@ -242,6 +242,11 @@ class WorkerSpawner:
             return None
         sweep()  # ledgers that servers killed with SIGKILL left behind
         path = new_ledger()
+        try:
+            CoreLedger(path)  # made here, so that a host without shared memory says so now
+        except OSError as err:
+            log.warning("workers keep a fixed thread split: no core ledger at %s: %s", path, err)
+            return None
         weakref.finalize(self, _remove, path)  # once the coordinator lets the spawner go
         return str(path), cores
 

@@ -84,7 +84,10 @@ class WorkerActor:
     def _start(self, role: str) -> PrefillWorker | DecodeWorker:
         pace = None
         if self.core_share is not None and self.engine.runner.ranks is None:
-            pace = CorePacer(*self.core_share)
+            try:
+                pace = CorePacer(*self.core_share)
+            except OSError as err:  # no shared memory to map here: keep the fixed split
+                log.warning("worker %s steps on a fixed thread count: %s", self.worker_id, err)
         if role == "prefill":
             return PrefillWorker(
                 self.worker_id,
