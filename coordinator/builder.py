@@ -226,7 +226,7 @@ class WorkerSpawner:
     def tensor_parallel(self, pool: str) -> int:
         return self.deploy.tensor_parallel(pool, self.engine.tensor_parallel_size)
 
-    def _core_share(self) -> tuple[str, int] | None:
+    def _core_share(self) -> str | None:
         """Workers that each got fewer threads than the host has cores share a core ledger
         (protocol/core_ledger.py) and step on their share of the cores among those computing:
         a worker alone gets them all, and busy ones split them rather than preempt each
@@ -248,7 +248,7 @@ class WorkerSpawner:
             log.warning("workers keep a fixed thread split: no core ledger at %s: %s", path, err)
             return None
         weakref.finalize(self, _remove, path)  # once the coordinator lets the spawner go
-        return str(path), cores
+        return str(path)  # a worker on another host opens (and makes) one of its own there
 
     def pools(self) -> list[str]:
         return ["colocated"] if self.deploy.mode == "colocated" else ["prefill", "decode"]

@@ -14,11 +14,12 @@ class CorePacer:
     turn with whether it has work (and with False as the thread ends), before the step.
 
     While it has work, the worker is marked busy in the host's ledger, and each step runs on
-    `cores` (the host's) divided among the busy workers, never fewer than one."""
+    `cores` (default: the cores this process may run on) divided among the busy workers,
+    never fewer than one."""
 
-    def __init__(self, path: str | os.PathLike, cores: int) -> None:
+    def __init__(self, path: str | os.PathLike, cores: int | None = None) -> None:
         self.ledger = CoreLedger(path)
-        self.cores = cores
+        self.cores = cores or host_cores()
         self._pid = os.getpid()
         self._marked = False
         self.current: int | None = None  # the count this pacer set last
@@ -33,3 +34,10 @@ class CorePacer:
         if wanted != self.current:
             use_threads(wanted)
             self.current = wanted
+
+
+def host_cores() -> int:
+    """The cores this process may run on (its affinity where the OS has one)."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1

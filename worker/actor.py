@@ -31,7 +31,6 @@ from protocol.telemetry import Telemetry, read_telemetry
 from worker.ranks import ray_launcher
 
 ROLES = ("prefill", "decode")
-CoreShare = tuple[str, int]  # a core ledger's path, and the host cores its workers share
 log = logging.getLogger(__name__)
 
 
@@ -52,7 +51,7 @@ class WorkerActor:
         verify_kv: bool = True,
         kv_fault: str | None = None,  # tests only: see kvtransfer/faults.py
         placement: tuple[Any, dict[str, float]] | None = None,  # TP: group, bundle resources
-        core_share: CoreShare | None = None,  # see kernels/core_share.py
+        core_share: str | None = None,  # this host's core ledger: kernels/core_share.py
     ) -> None:
         # The engine thread alone runs parallel ops with `num_threads`; this thread loads the
         # model on one, so the process holds one OpenMP team (kernels/threads.py).
@@ -85,7 +84,7 @@ class WorkerActor:
         pace = None
         if self.core_share is not None and self.engine.runner.ranks is None:
             try:
-                pace = CorePacer(*self.core_share)
+                pace = CorePacer(self.core_share)  # on the cores of the host it landed on
             except OSError as err:  # no shared memory to map here: keep the fixed split
                 log.warning("worker %s steps on a fixed thread count: %s", self.worker_id, err)
         if role == "prefill":

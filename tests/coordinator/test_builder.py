@@ -94,8 +94,8 @@ def test_workers_that_split_a_hosts_cores_share_a_core_ledger(
     if not shares:
         assert spawner.core_share is None
         return
-    path, cores = spawner.core_share
-    assert cores == 2 and Path(path).name.startswith(f"tandem-cores-{os.getpid()}-")
+    path = spawner.core_share
+    assert Path(path).name.startswith(f"tandem-cores-{os.getpid()}-")
     assert CoreLedger(path).busy() == 0  # made by the spawner, which removes it when it goes
     del spawner
     gc.collect()
