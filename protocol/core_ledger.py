@@ -7,16 +7,18 @@ each idles half of them while the other waits for work. So each worker marks its
 this ledger while it has work, and steps on its share of the cores among the busy ones
 (kernels/core_share.py): all of them while the other is idle, half while both compute.
 
-The ledger is a file of SLOTS 64-bit slots (under /dev/shm where there is one), one per worker
-process (its pid modulo SLOTS), holding the pid while busy and 0 while idle. Aligned 64-bit
-stores and loads are single instructions, so a reader never sees half a slot; a slot whose
-process has died counts as idle. Two workers whose pids collide modulo SLOTS share a slot and
-count as one, which costs speed, never correctness.
+The ledger is a file of SLOTS 64-bit slots (under /dev/shm where there is one). A worker
+claims a slot of its own once, under a file lock (`claim`), and from then on stores its pid
+there while busy and minus its pid while idle: aligned 64-bit stores and loads are single
+instructions, so a reader never sees half a slot and the hot path takes no lock. A slot whose
+process has died counts as idle, and a later claim may take it over. Past SLOTS live workers a
+worker gets no slot and counts as idle, which costs speed, never correctness.
 """
 
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import mmap
 import os
 import tempfile
@@ -53,22 +55,44 @@ def sweep() -> list[Path]:
 
 class CoreLedger:
     def __init__(self, path: str | os.PathLike) -> None:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
-        try:
-            if os.fstat(fd).st_size < SLOTS * 8:
-                os.ftruncate(fd, SLOTS * 8)  # new bytes read as zeros: every slot idle
-            self._map = mmap.mmap(fd, SLOTS * 8)
-        finally:
-            os.close(fd)
+        self._fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+        if os.fstat(self._fd).st_size < SLOTS * 8:
+            os.ftruncate(self._fd, SLOTS * 8)  # new bytes read as zeros: every slot free
+        self._map = mmap.mmap(self._fd, SLOTS * 8)
         self._slots = memoryview(self._map).cast("q")
+        self._claimed: dict[int, int | None] = {}  # pid -> its slot (None: the ledger was full)
+
+    def __del__(self) -> None:
+        with contextlib.suppress(OSError, AttributeError):
+            os.close(self._fd)
+
+    def claim(self, pid: int) -> int | None:
+        """A slot for process `pid` alone (idle to start with): one that is free, already its
+        own, or left by a dead process. None when SLOTS live processes hold them all."""
+        if pid in self._claimed:
+            return self._claimed[pid]
+        fcntl.flock(self._fd, fcntl.LOCK_EX)  # claims are rare; marks never lock
+        try:
+            holders = [abs(held) for held in self._slots.tolist()]
+            free = [i for i, held in enumerate(holders) if held in (0, pid) or not _alive(held)]
+            mine = holders.index(pid) if pid in holders else None
+            slot = mine if mine is not None else (free[0] if free else None)
+            if slot is not None:
+                self._slots[slot] = -pid
+        finally:
+            fcntl.flock(self._fd, fcntl.LOCK_UN)
+        self._claimed[pid] = slot
+        return slot
 
     def mark(self, pid: int, busy: bool) -> None:
         """Process `pid` computes (or not) until it says otherwise."""
-        self._slots[pid % SLOTS] = pid if busy else 0
+        slot = self.claim(pid)
+        if slot is not None:
+            self._slots[slot] = pid if busy else -pid
 
     def busy(self) -> int:
         """How many live processes are marked busy."""
-        return sum(1 for pid in self._slots.tolist() if pid and _alive(pid))
+        return sum(1 for pid in self._slots.tolist() if pid > 0 and _alive(pid))
 
 
 def _alive(pid: int) -> bool:

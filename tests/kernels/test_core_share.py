@@ -14,7 +14,7 @@ import torch
 
 from engine.engine_thread import EngineThread
 from kernels.core_share import CorePacer
-from protocol.core_ledger import PREFIX, CoreLedger, ledger_dir, new_ledger, sweep
+from protocol.core_ledger import PREFIX, SLOTS, CoreLedger, ledger_dir, new_ledger, sweep
 
 
 @pytest.fixture
@@ -46,6 +46,48 @@ def test_the_ledger_counts_live_busy_processes(tmp_path, sleeper) -> None:
     sleeper.kill()
     sleeper.wait(10)
     assert ledger.busy() == 0  # a dead process holds no cores, whatever its slot says
+
+
+def test_processes_whose_pids_collide_modulo_the_slots_count_apart(tmp_path) -> None:
+    """Each process claims a slot of its own: pids equal modulo SLOTS (one in 64 pairs) once
+    shared a slot and counted as one busy worker."""
+    twin, others = None, []
+    try:
+        for _ in range(1000):  # bounded: each spawn is a fresh pid, one in SLOTS collides
+            child = subprocess.Popen(["sleep", "60"])
+            if child.pid % SLOTS == os.getpid() % SLOTS:
+                twin = child
+                break
+            others.append(child)
+            if len(others) > 20:  # never hold many at once
+                stop_all(others)
+        assert twin is not None, "no colliding pid in 1000 spawns"
+        ledger = CoreLedger(tmp_path / "ledger")
+        ledger.mark(os.getpid(), True)
+        ledger.mark(twin.pid, True)
+        assert ledger.busy() == 2
+        ledger.mark(twin.pid, False)
+        assert ledger.busy() == 1
+    finally:
+        stop_all(others + ([twin] if twin else []))
+
+
+def test_a_dead_processs_slot_is_taken_over(tmp_path, sleeper) -> None:
+    ledger = CoreLedger(tmp_path / "ledger")
+    ledger.mark(sleeper.pid, True)
+    sleeper.kill()
+    sleeper.wait(10)
+    fresh = CoreLedger(tmp_path / "ledger")
+    assert fresh.claim(os.getpid()) == ledger.claim(sleeper.pid)  # the only slot used so far
+    fresh.mark(os.getpid(), True)
+    assert fresh.busy() == 1
+
+
+def stop_all(children: list[subprocess.Popen]) -> None:
+    for child in children:
+        child.kill()
+        child.wait(10)
+    children.clear()
 
 
 def test_a_mark_in_one_process_is_seen_in_another(tmp_path) -> None:
