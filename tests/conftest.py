@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -19,6 +21,7 @@ if importlib.util.find_spec("triton") is not None and not torch.cuda.is_availabl
 from tests.support.checkpoints import build_checkpoint  # noqa: E402
 
 FAILURE_LOG = os.environ.get("TANDEM_FAILURE_LOG")  # deploy/gpu_run.sh sets it
+EXIT_STATUS = pytest.StashKey[int]()
 
 
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:
@@ -27,6 +30,29 @@ def pytest_runtest_logreport(report: pytest.TestReport) -> None:
     if FAILURE_LOG and report.failed:
         with open(FAILURE_LOG, "a") as log:
             log.write(f"=== {report.nodeid} ({report.when})\n{report.longreprtext}\n\n")
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    session.config.stash[EXIT_STATUS] = int(exitstatus)
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_unconfigure(config: pytest.Config) -> None:
+    """Ends the suite's process without interpreter finalization, every report written. The
+    suite leaves daemon threads behind (Ray's, gloo's, UCX's, KV senders and receivers of the
+    pools it ran in this process); finalization ends each at its next GIL request, which, when
+    that is inside torch freeing a tensor, unwinds C++ frames that may not throw, and Ray's
+    terminate handler aborts the process (exit 134 after every test had passed, seen on CI).
+    Engine threads have their own exit hook (engine/engine_thread.py); this covers the rest."""
+    status = config.stash.get(EXIT_STATUS, None)
+    if status is None or os.environ.get("TANDEM_FINALIZE") == "1":
+        return  # not a whole session (a plugin run, say), or asked to finalize as usual
+    left = sorted(t.name for t in threading.enumerate() if t is not threading.main_thread())
+    if left:
+        print(f"\n{len(left)} threads still running at exit: {', '.join(left[:12])}", flush=True)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)
 
 
 @pytest.fixture(scope="session")
