@@ -41,7 +41,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
@@ -79,8 +79,9 @@ MIXES = {  # name: (dataset flags, spec)
 }  # fmt: skip
 CALIBRATION_CONCURRENCY = 16
 MIN_BESIDE = 5  # decode steps beside a prefill step needed to measure their slowdown
+MIN_THREAD_STEPS = 20  # steps on one thread count needed to fit a model of its own
 MAX_STEP_GAP_S = 0.05  # longer pauses between steps are idle time, not per-step host work
-POOL_STATS = ("decode_beside", "prefill_steps", "prefill_seconds")
+POOL_STATS = ("decode_beside", "decode_fewer_threads", "prefill_steps", "prefill_seconds")
 TARGETS = {"ttft_p50": 10, "ttft_p99": 15, "itl_p50": 5, "itl_p99": 10}  # % error allowed
 
 
@@ -145,6 +146,10 @@ class Calibration:
     decode_interference: float | tuple[float, ...]
     step_gap: float
     fitted: int  # steps the model was fitted on
+    # Workers that paced their cores (their steps ran on different thread counts): a model
+    # per thread count, each fitted on every step that ran on that many (what the simulator
+    # takes then, with no interference factor: the thread count is the interference).
+    by_threads: dict[int, StepCostModel] = field(default_factory=dict)
 
 
 def telemetry(url: str) -> dict:
@@ -173,8 +178,12 @@ def pools_real(url: str, start: float, end: float) -> dict[str, float | None]:
                 for s in steps if start <= s.end <= end]  # fmt: skip
 
     decode, prefill = in_run("decode"), in_run("prefill")
+    most = max((s.threads for s in decode), default=0)
     return {
         "decode_beside": sum(id(s) in ids for s in decode) / len(decode) if decode else None,
+        "decode_fewer_threads": sum(s.threads < most for s in decode) / len(decode)
+        if decode
+        else None,
         "prefill_steps": len(prefill),
         "prefill_seconds": sum(s.seconds for s in prefill),
     }
@@ -188,21 +197,35 @@ def pools_sim(outcome: Outcome) -> dict[str, float | None]:
     steps = sum(w.num_steps for w in decode)
     if not prefill:
         return dict.fromkeys(POOL_STATS)
+    used: dict[int, int] = {}
+    for w in decode:
+        for threads, count in w.threads_used.items():
+            used[threads] = used.get(threads, 0) + count
+    fewer = sum(c for t, c in used.items() if t < max(used)) if used else None
     return {
         "decode_beside": sum(w.steps_beside for w in decode) / steps if steps else None,
+        "decode_fewer_threads": fewer / sum(used.values()) if fewer is not None else None,
         "prefill_steps": sum(w.num_steps for w in prefill),
         "prefill_seconds": sum(w.busy_seconds for w in prefill),
     }
 
 
 def calibrate(
-    url: str, work: Path, name: str, interference: bool, alone: tuple[float, float] | None
+    url: str,
+    work: Path,
+    name: str,
+    interference: bool,
+    alone: tuple[float, float] | None,
+    by_threads: bool = True,
 ) -> Calibration:
-    """The layout's step model, fitted on its served steps, and the step gap. `interference`:
-    the model is fitted on steps that ran beside no step of the other pool (prefill steps from
-    the run in the `alone` window of wall time, where nothing decodes; decode steps after it
-    that started beside no prefill step), and the slowdowns over it of the steps that did are
-    each pool's interference factors; else every step is fitted and there is none."""
+    """The layout's step model, fitted on its served steps, and the step gap. `by_threads`, when
+    the steps ran on different thread counts (workers pacing their cores): one model per count,
+    fitted on that count's steps (MIN_THREAD_STEPS at least), no interference. Else
+    `interference`: the model is fitted on steps that ran beside no step of the other pool
+    (prefill steps from the run in the `alone` window of wall time, where nothing decodes;
+    decode steps after it that started beside no prefill step), and the slowdowns over it of
+    the steps that did are each pool's interference factors; else every step is fitted and
+    there is none."""
     reply = telemetry(url)
     path = work / f"{name}-telemetry.json"
     path.write_text(json.dumps(reply))
@@ -216,6 +239,18 @@ def calibrate(
     ]
     gap = statistics.median(gaps) if gaps else 0.0
     steps = [s for records in per_worker.values() for s in records]
+    counts = sorted({s.threads for s in steps if s.threads})
+    if by_threads and len(counts) > 1:
+        models = {}
+        for threads in counts:
+            group = [s for s in steps if s.threads == threads]
+            if len(group) >= MIN_THREAD_STEPS:
+                train, heldout = split_every(group, 5)
+                info = ProfileInfo(model=f"{name}-{threads}t", source="telemetry")
+                models[threads] = fit(train, heldout, info)
+        if models:
+            fitted = sum(m.stats.num_train + m.stats.num_heldout for m in models.values())
+            return Calibration(models[max(models)], 1.0, 1.0, gap, fitted, models)
     if not interference or alone is None:
         train, heldout = split_every(steps, 5)
         model = fit(train, heldout, ProfileInfo(model=name, source="telemetry"))
@@ -354,7 +389,9 @@ def run_layout(model: Path, layout: str, args: argparse.Namespace, work: Path) -
             handover = bucket_median(handover_before, handover_buckets(server.url))
             if not args.handover:
                 handover = 0.0
-            cal = calibrate(server.url, work, f"{layout}-{mix}", args.fit_interference, alone)
+            cal = calibrate(
+                server.url, work, f"{layout}-{mix}", args.fit_interference, alone, args.fit_threads
+            )
             for fraction in args.loads:
                 rate = round(fraction * capacity, 3)
                 count = max(20, round(rate * args.duration))
@@ -374,8 +411,9 @@ def run_layout(model: Path, layout: str, args: argparse.Namespace, work: Path) -
                         EngineLimits(args.num_kv_blocks),
                         prefill_interference=simulated(cal.prefill_interference, args.interference),
                         decode_interference=simulated(cal.decode_interference, args.interference),
+                        paced_cores=max(cal.by_threads) if cal.by_threads else None,
                     ),
-                    Costs(cal.model),
+                    Costs(cal.model, by_threads=cal.by_threads),
                     Overheads(
                         step_gap=cal.step_gap, dispatch=args.dispatch_ms / 1e3, handover=handover
                     ),
@@ -389,6 +427,9 @@ def run_layout(model: Path, layout: str, args: argparse.Namespace, work: Path) -
                        "prefill_interference": summary(cal.prefill_interference),
                        "decode_interference": summary(cal.decode_interference),
                        "handover_ms": handover * 1e3,
+                       "thread_models": {t: {"steps": m.stats.num_train + m.stats.num_heldout,
+                                             "heldout_mae_pct": m.stats.heldout_mae_pct}
+                                         for t, m in cal.by_threads.items()},
                        # decode steps started beside a prefill step; prefill steps, seconds
                        **{f"{k}_real": v for k, v in pools.items()},
                        **{f"{k}_sim": v for k, v in pools_sim(outcome).items()},
@@ -402,9 +443,9 @@ def format_table(rows: list[dict]) -> str:
     head = (
         "| layout | mix | load | TTFT p50 real/sim ms (err) | TTFT p99 (err) | "
         "ITL p50 (err) | ITL p99 (err) | SLO real/sim (pts) | decode beside prefill real/sim | "
-        "prefill steps, s real/sim |"
+        "decode on fewer threads real/sim | prefill steps, s real/sim |"
     )
-    lines = [head, "|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [head, "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         cells = []
         for key in ("ttft_p50", "ttft_p99", "itl_p50", "itl_p99"):
@@ -412,8 +453,12 @@ def format_table(rows: list[dict]) -> str:
                 f"{r[key + '_real']:.0f}/{r[key + '_sim']:.0f} ({r[key + '_err_pct']:+.0f}%)"
             )
         slo = f"{r['slo_real']:.0%}/{r['slo_sim']:.0%} ({r['slo_diff_pts']:+.1f})"
-        shares = [r.get("decode_beside_real"), r.get("decode_beside_sim")]
-        beside_cell = "/".join("-" if x is None else f"{x:.0%}" for x in shares)
+        beside_cell, fewer_cell = (
+            "/".join(
+                "-" if x is None else f"{x:.0%}" for x in (r.get(k + "_real"), r.get(k + "_sim"))
+            )
+            for k in ("decode_beside", "decode_fewer_threads")
+        )
         prefill_cell = "-"
         if r.get("prefill_steps_real") is not None:
             prefill_cell = (
@@ -422,7 +467,7 @@ def format_table(rows: list[dict]) -> str:
             )
         lines.append(
             f"| {r['layout']} | {r['mix']} | {r['load']:.0%} | {' | '.join(cells)} | {slo} | "
-            f"{beside_cell} | {prefill_cell} |"
+            f"{beside_cell} | {fewer_cell} | {prefill_cell} |"
         )
     met = {
         key: sum(abs(r[key + "_err_pct"]) <= limit for r in rows) for key, limit in TARGETS.items()
@@ -455,6 +500,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="fit prefill steps on a run where nothing decodes and decode steps on those beside "
         "no prefill step, and simulate each kind beside the other as slowed by its measured "
         "factor (--no-fit-interference: one model fitted on every step, no interference)",
+    )
+    p.add_argument(
+        "--fit-threads",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="when the workers paced their cores (steps on different thread counts), fit a "
+        "model per thread count and simulate the pacing, with no interference factor",
     )
     p.add_argument(
         "--interference",

@@ -254,13 +254,14 @@ class LLMEngine:
         of the plan is written. A request whose sampling raises fails alone (a
         RequestFailed); the rest go on."""
         started = time.perf_counter()
+        threads = torch.get_num_threads()
         plan = self.scheduler.schedule()
         if not plan.chunks:
             return []
         try:
             return self._run(plan, on_layer, on_plan)
         finally:
-            self._record(plan, time.perf_counter() - started)
+            self._record(plan, time.perf_counter() - started, threads)
 
     def _run(
         self, plan: StepPlan, on_layer: PlanLayerHook | None, on_plan: PlanHook | None
@@ -280,7 +281,7 @@ class LLMEngine:
             return self._sample_alone(sampling, logits, rows)
         return self._update(sampling, output.token_ids, output.logprobs)
 
-    def _record(self, plan: StepPlan, seconds: float) -> None:
+    def _record(self, plan: StepPlan, seconds: float, threads: int) -> None:
         blocks = self.blocks
         self.step_log.append(
             StepRecord(
@@ -289,6 +290,7 @@ class LLMEngine:
                 *plan.shape(),
                 blocks.num_blocks - blocks.num_free_blocks,
                 len(self.scheduler.waiting),
+                threads,
             )
         )
 

@@ -11,7 +11,7 @@ from planning.model_file import CostModelError, load_json
 from protocol.telemetry import StepRecord
 
 # A telemetry file may leave out what the cost model does not read.
-OPTIONAL_FIELDS = {"end": 0.0, "kv_blocks_used": 0, "queue_length": 0}
+OPTIONAL_FIELDS = {"end": 0.0, "kv_blocks_used": 0, "queue_length": 0, "threads": 0}
 
 
 def median_record(records: Sequence[StepRecord]) -> StepRecord:

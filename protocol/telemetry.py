@@ -33,6 +33,9 @@ class StepRecord(NamedTuple):
     decode_context: int  # sum of the decoding sequences' context lengths
     kv_blocks_used: int  # after the step
     queue_length: int  # requests waiting for their first step, after the step
+    # the engine thread's compute threads as the step began (workers that share a host's cores
+    # change theirs between steps: kernels/core_share.py); 0: not recorded
+    threads: int = 0
 
 
 class PrefixEvent(NamedTuple):

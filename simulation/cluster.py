@@ -36,6 +36,7 @@ from engine.block_manager import num_blocks_for
 from engine.scheduler import StepPlan
 from engine.sequence import Sequence as EngineSequence
 from loadtest.config import LoadConfig
+from planning.cost_model import StepCostModel
 from protocol.sampling import FinishReason
 from simulation.deployment import Scenario
 from simulation.interference import slowed
@@ -380,12 +381,25 @@ class Simulation:
         if not plan.chunks:  # nothing fits until blocks free up; a finish wakes it
             worker.stepping = False
             return
-        seconds = self._step_seconds(
-            worker, max(self.scenario.costs.step.predict(plan.shape()), 1e-6)
-        )
+        seconds = self._step_seconds(worker, max(self._model(worker).predict(plan.shape()), 1e-6))
         worker.step_ends_at = self.now + seconds
         landed = self._send_kv(worker, plan, seconds) if worker.pool == "prefill" else {}
         self.at(self.now + seconds, self._end_step, worker, plan, seconds, landed, epoch)
+
+    def _model(self, worker: SimWorker) -> StepCostModel:
+        """The cost model of `worker`'s step starting now: on workers that pace their cores
+        (Deployment.paced_cores), the one for its share of them among the workers with work."""
+        costs, cores = self.scenario.costs, self.scenario.deployment.paced_cores
+        if cores is None:
+            return costs.step
+        busy = sum(
+            1
+            for w in self.workers.values()
+            if w.alive and (w is worker or w.scheduler.num_unfinished)
+        )
+        threads = max(1, cores // busy)
+        worker.threads_used[threads] = worker.threads_used.get(threads, 0) + 1
+        return costs.step_on(threads)
 
     def _step_seconds(self, worker: SimWorker, seconds: float) -> float:
         """How long a step of `worker` starting now lasts (`seconds` as modelled) when workers

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from coordinator.router import POLICIES, RouteCosts
@@ -47,6 +48,11 @@ class Deployment:
     # that starts while k workers (itself included) are in a step takes max(1, k / host_cores)
     # times its modelled time. None: every worker has its own device (GPUs).
     host_cores: float | None = None
+    # CPU workers that pace a machine's cores instead (kernels/core_share.py, what `tandem
+    # serve` does on a CPU host it splits): each step runs on max(1, paced_cores // k) threads,
+    # k the workers that have work (itself included), and takes what the cost model for that
+    # many threads says (Costs.by_threads). None: no pacing.
+    paced_cores: int | None = None
     # Measured slowdown of a decode step that starts while a prefill worker is in a step, when
     # they share a CPU host (their threads preempt each other; fitted from telemetry by
     # benchmarks/simulator_fidelity.py): such a step runs X times slower until that prefill
@@ -63,6 +69,10 @@ class Deployment:
             raise SimulationError("a deployment needs >= 0 prefill and >= 1 decode workers")
         if self.host_cores is not None and self.host_cores <= 0:
             raise SimulationError("host_cores must be more than 0")
+        if self.paced_cores is not None and self.paced_cores < 1:
+            raise SimulationError("paced_cores must be at least 1")
+        if self.paced_cores is not None and self.host_cores is not None:
+            raise SimulationError("workers either pace their cores or share them, not both")
         for factors in (self.prefill_interference, self.decode_interference):
             if isinstance(factors, tuple):
                 if not factors or min(factors) <= 0:
@@ -81,6 +91,7 @@ class Deployment:
         """Its workers' steps slow each other down (CPU workers on one machine)."""
         return (
             self.host_cores is not None
+            or self.paced_cores is not None
             or self.prefill_interference != 1
             or self.decode_interference != 1
         )
@@ -102,11 +113,19 @@ class Deployment:
 @dataclass(frozen=True)
 class Costs:
     """Seconds: one engine step from its shape; one layer of KV from its bytes (no transfer
-    model or no KV layout: sending is free)."""
+    model or no KV layout: sending is free). `by_threads`: step models fitted on steps that ran
+    on that many threads, for workers that pace their cores (Deployment.paced_cores)."""
 
     step: StepCostModel
     transfer: TransferCostModel | None = None
     kv: KVLayout | None = None
+    by_threads: Mapping[int, StepCostModel] = field(default_factory=dict)
+
+    def step_on(self, threads: int) -> StepCostModel:
+        """The model for a step on `threads` threads: the one fitted on the most threads up to
+        that many (a worker never runs on more than it was measured on), else `step`."""
+        fitted = [t for t in self.by_threads if t <= threads]
+        return self.by_threads[max(fitted)] if fitted else self.step
 
 
 @dataclass(frozen=True)

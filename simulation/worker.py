@@ -44,6 +44,7 @@ class SimWorker:
     busy_seconds: float = 0.0
     num_steps: int = 0
     steps_beside: int = 0  # of them, started while the other pool was in a step (shared host)
+    threads_used: dict[int, int] = field(default_factory=dict)  # paced cores: threads -> steps
 
     def __post_init__(self) -> None:
         lim = self.limits

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+import torch
 
 from coordinator.coordinator import CoordinatorConfig
 from coordinator.router import prefix_hashes
@@ -93,6 +94,7 @@ def test_every_engine_step_leaves_one_record_with_its_shape(tiny_llama) -> None:
         (2, 12 + 8, 0),
     ]
     assert all(r.seconds > 0 for r in records)
+    assert {r.threads for r in records} == {torch.get_num_threads()}  # this thread steps
     _, events, _ = llm.engine.prefix_log.since(0)
     assert [e.digest for e in events if e.stored][:2] == prefix_hashes(list(range(1, 11)), 4)
 

@@ -25,7 +25,7 @@ from simulation.deployment import (
     Scenario,
 )
 from simulation.report import simulated_record
-from simulation.workload import SimRequest, TokenIds, synthetic_requests
+from simulation.workload import SimRequest, SimulationError, TokenIds, synthetic_requests
 
 STEP = 0.010  # seconds, every step, whatever its shape
 STATS = FitStats(1, 0.0, 0, None)
@@ -148,6 +148,39 @@ def test_workers_sharing_host_cores_slow_each_other_down():
     # One core: worker 0 starts first and alone (10 ms); every later step starts while the
     # other worker is in a step, and takes twice its time.
     assert times(1.0) == pytest.approx([0.010, 0.030, 0.050, 0.020, 0.040, 0.060])
+
+
+def test_workers_pacing_their_cores_step_on_their_share_of_them():
+    """Two workers pacing two cores (kernels/core_share.py): a step runs on both while the
+    other worker has no work (10 ms, the 2-thread model) and on one while it has (16 ms)."""
+    requests = [SimRequest(0.0, prompt(32, 1 << 20), 3), SimRequest(0.025, prompt(32, 1 << 21), 3)]
+    costs = Costs(step_model(), by_threads={1: step_model(step=0.016), 2: step_model()})
+    base = scenario(0, 2, costs=costs)
+    # A alone on worker 0: 0-10-20-30 ms. B reaches worker 1 at 25 ms while A still has work:
+    # one thread (16 ms); A is done when B's next steps start: two threads again.
+    assert token_times(base, requests, paced_cores=2) == pytest.approx(
+        [0.010, 0.020, 0.030, 0.041, 0.051, 0.061]
+    )
+    assert token_times(base, requests) == pytest.approx(  # not paced: the default model
+        [0.010, 0.020, 0.030, 0.035, 0.045, 0.055]
+    )
+    # A worker never runs on more threads than a model was fitted on: 4 cores, the 2-thread one.
+    assert token_times(base, requests, paced_cores=4)[3:] == pytest.approx([0.035, 0.045, 0.055])
+
+
+def test_costs_take_the_model_fitted_on_the_most_threads_up_to_the_count():
+    one, two = step_model(step=0.02), step_model(step=0.01)
+    costs = Costs(step_model(step=0.05), by_threads={1: one, 2: two})
+    assert costs.step_on(1) is one and costs.step_on(2) is two and costs.step_on(8) is two
+    assert Costs(two).step_on(1) is two  # no per-thread models: the one model
+
+
+def test_pacing_and_sharing_cores_are_exclusive():
+    engine = EngineLimits(64)
+    with pytest.raises(SimulationError, match="not both"):
+        Deployment(1, 1, engine, paced_cores=2, host_cores=2.0)
+    with pytest.raises(SimulationError, match="at least 1"):
+        Deployment(1, 1, engine, paced_cores=0)
 
 
 def test_a_decode_step_beside_a_prefill_step_takes_the_measured_slowdown():
