@@ -81,7 +81,13 @@ CALIBRATION_CONCURRENCY = 16
 MIN_BESIDE = 5  # decode steps beside a prefill step needed to measure their slowdown
 MIN_THREAD_STEPS = 20  # steps on one thread count needed to fit a model of its own
 MAX_STEP_GAP_S = 0.05  # longer pauses between steps are idle time, not per-step host work
-POOL_STATS = ("decode_beside", "decode_fewer_threads", "prefill_steps", "prefill_seconds")
+POOL_STATS = (
+    "decode_beside",
+    "decode_fewer_threads",
+    "decode_step_ms",
+    "prefill_steps",
+    "prefill_seconds",
+)
 TARGETS = {"ttft_p50": 10, "ttft_p99": 15, "itl_p50": 5, "itl_p99": 10}  # % error allowed
 
 
@@ -164,10 +170,11 @@ def steps_of(reply: dict) -> dict[str, list[StepRecord]]:
     }
 
 
-def pools_real(url: str, start: float, end: float) -> dict[str, float | None]:
+def pools_real(url: str, start: float, end: float, costs: Costs) -> dict[str, float | None]:
     """Of the steps that ended in [start, end]: the share of decode steps that started while a
-    prefill worker was in a step, and the prefill steps' count and seconds (None without a
-    prefill pool)."""
+    prefill worker was in a step and of those on fewer threads than the most, their mean time
+    and the median of their time over what `costs` gives them, and the prefill steps' count and
+    seconds (None without a prefill pool)."""
     per_worker = steps_of(telemetry(url))
     if not any(w.startswith("prefill") for w in per_worker):
         return dict.fromkeys(POOL_STATS)
@@ -179,7 +186,11 @@ def pools_real(url: str, start: float, end: float) -> dict[str, float | None]:
 
     decode, prefill = in_run("decode"), in_run("prefill")
     most = max((s.threads for s in decode), default=0)
+    over_model = [s.seconds / costs.step_on(s.threads).predict(s) for s in decode]
     return {
+        "decode_step_ms": 1e3 * statistics.mean(s.seconds for s in decode) if decode else None,
+        # how far the real decode steps ran from the model the simulator gave them (median)
+        "decode_vs_model": statistics.median(over_model) if over_model else None,
         "decode_beside": sum(id(s) in ids for s in decode) / len(decode) if decode else None,
         "decode_fewer_threads": sum(s.threads < most for s in decode) / len(decode)
         if decode
@@ -203,6 +214,8 @@ def pools_sim(outcome: Outcome) -> dict[str, float | None]:
             used[threads] = used.get(threads, 0) + count
     fewer = sum(c for t, c in used.items() if t < max(used)) if used else None
     return {
+        "decode_step_ms": 1e3 * sum(w.busy_seconds for w in decode) / steps if steps else None,
+        "decode_vs_model": 1.0,  # by construction, slowdowns aside
         "decode_beside": sum(w.steps_beside for w in decode) / steps if steps else None,
         "decode_fewer_threads": fewer / sum(used.values()) if fewer is not None else None,
         "prefill_steps": sum(w.num_steps for w in prefill),
@@ -400,7 +413,8 @@ def run_layout(model: Path, layout: str, args: argparse.Namespace, work: Path) -
                     "--num-prompts", str(count), "--request-rate", str(rate),
                     "--seed", str(args.seed),
                 ])  # fmt: skip
-                pools = pools_real(server.url, started, time.time())
+                costs = Costs(cal.model, by_threads=cal.by_threads)
+                pools = pools_real(server.url, started, time.time(), costs)
                 load = LoadConfig(request_rate=rate, seed=args.seed)
                 samples = sample_requests(DatasetConfig(spec, count, args.seed), tokenizer)
                 requests = from_samples(samples, tokenizer.encode, load)
@@ -413,7 +427,7 @@ def run_layout(model: Path, layout: str, args: argparse.Namespace, work: Path) -
                         decode_interference=simulated(cal.decode_interference, args.interference),
                         paced_cores=max(cal.by_threads) if cal.by_threads else None,
                     ),
-                    Costs(cal.model, by_threads=cal.by_threads),
+                    costs,
                     Overheads(
                         step_gap=cal.step_gap, dispatch=args.dispatch_ms / 1e3, handover=handover
                     ),
@@ -443,9 +457,10 @@ def format_table(rows: list[dict]) -> str:
     head = (
         "| layout | mix | load | TTFT p50 real/sim ms (err) | TTFT p99 (err) | "
         "ITL p50 (err) | ITL p99 (err) | SLO real/sim (pts) | decode beside prefill real/sim | "
-        "decode on fewer threads real/sim | prefill steps, s real/sim |"
+        "decode on fewer threads real/sim | decode step ms real/sim (real/model) | "
+        "prefill steps, s real/sim |"
     )
-    lines = [head, "|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [head, "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         cells = []
         for key in ("ttft_p50", "ttft_p99", "itl_p50", "itl_p99"):
@@ -459,6 +474,12 @@ def format_table(rows: list[dict]) -> str:
             )
             for k in ("decode_beside", "decode_fewer_threads")
         )
+        step_cell = "-"
+        if r.get("decode_step_ms_real") is not None:
+            step_cell = (
+                f"{r['decode_step_ms_real']:.1f}/{r['decode_step_ms_sim']:.1f} "
+                f"({r['decode_vs_model_real']:.2f}x)"
+            )
         prefill_cell = "-"
         if r.get("prefill_steps_real") is not None:
             prefill_cell = (
@@ -467,7 +488,7 @@ def format_table(rows: list[dict]) -> str:
             )
         lines.append(
             f"| {r['layout']} | {r['mix']} | {r['load']:.0%} | {' | '.join(cells)} | {slo} | "
-            f"{beside_cell} | {fewer_cell} | {prefill_cell} |"
+            f"{beside_cell} | {fewer_cell} | {step_cell} | {prefill_cell} |"
         )
     met = {
         key: sum(abs(r[key + "_err_pct"]) <= limit for r in rows) for key, limit in TARGETS.items()
