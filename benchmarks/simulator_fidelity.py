@@ -415,6 +415,9 @@ def run_layout(model: Path, layout: str, args: argparse.Namespace, work: Path) -
                 ])  # fmt: skip
                 costs = Costs(cal.model, by_threads=cal.by_threads)
                 pools = pools_real(server.url, started, time.time(), costs)
+                (work / f"{layout}-{mix}-{fraction}-telemetry.json").write_text(
+                    json.dumps(telemetry(server.url))
+                )
                 load = LoadConfig(request_rate=rate, seed=args.seed)
                 samples = sample_requests(DatasetConfig(spec, count, args.seed), tokenizer)
                 requests = from_samples(samples, tokenizer.encode, load)
@@ -543,6 +546,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="simulate the handover measured in the calibration run (disaggregated layouts)",
     )
     p.add_argument("--json", type=Path, default=None)
+    p.add_argument(
+        "--work-dir",
+        type=Path,
+        default=None,
+        help="keep the runs' files here (bench results, server logs, each run's telemetry)",
+    )
     return p.parse_args(argv)
 
 
@@ -554,8 +563,10 @@ def main(argv: list[str] | None = None) -> int:
         args.model = fetch_default_model()
     rows: list[dict] = []
     with tempfile.TemporaryDirectory(prefix="tandem-fidelity-") as tmp:
+        work = args.work_dir or Path(tmp)
+        work.mkdir(parents=True, exist_ok=True)
         for layout in args.layouts:
-            rows += run_layout(args.model, layout, args, Path(tmp))
+            rows += run_layout(args.model, layout, args, work)
     print(format_table(rows))
     if args.json is not None:
         args.json.parent.mkdir(parents=True, exist_ok=True)

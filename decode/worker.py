@@ -33,6 +33,7 @@ from decode.publisher import UpdatePublisher
 from engine.block_manager import slots_of
 from engine.engine import LLMEngine
 from engine.engine_thread import EngineThread
+from engine.scheduler import StepPlan
 from kvtransfer.receiver import Arrived, KVReceiver, Leg, ReceiveEvent, TransferFailed
 from kvtransfer.transport import Rendezvous, Transport
 from protocol.kv import Endpoint, Ticket
@@ -58,7 +59,8 @@ class DecodeWorker:
         """Serves `engine` (idle, owned by no thread yet) until shutdown(), which leaves it
         idle again for another role. `verify_kv`: tickets ask for the KV's checksums.
         `num_threads`: the engine thread's cores (default: the caller's torch thread count);
-        `pace`: what may change them between steps (EngineThread)."""
+        `pace`: what may change them between steps (EngineThread), and between the layers of
+        a step: a prefill worker that starts a step beside ours takes its share at once."""
         self.worker_id = worker_id
         self.verify_kv = verify_kv
         self.engine = engine
@@ -88,6 +90,7 @@ class DecodeWorker:
         self.transfers = TransferCounters(transport.name)
         self.prefilled_locally = 0
         self.publisher: UpdatePublisher | None = None
+        self._pace = pace
         self.thread = EngineThread(
             f"decode-{worker_id}",
             self._step,
@@ -254,7 +257,14 @@ class DecodeWorker:
         self._publish([self.engine.admit(event.request_id, first.token_id, _logprobs(first))])
 
     def _step(self) -> None:
-        self._publish(self.engine.step())
+        self._publish(self.engine.step(self._repace if self._pace is not None else None))
+
+    def _repace(self, plan: StepPlan, layer: int) -> None:
+        # A decode step that began on every core while the prefill worker idled keeps them all
+        # to its end otherwise, and a prefill step starting beside it puts three threads on two
+        # cores: every parallel region then waits for a preempted thread (measured: such decode
+        # steps took twice their time, and made the ITL tail).
+        self._pace(True)  # type: ignore[misc]
 
     def _expire_leases(self) -> None:
         now = time.monotonic()

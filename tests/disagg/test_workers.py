@@ -37,3 +37,28 @@ def test_unclaimed_reservation_expires_and_frees_its_blocks(tiny_llama) -> None:
         assert decode.engine.blocks.num_free_blocks == 64
     finally:
         decode.shutdown()
+
+
+def test_a_paced_decode_worker_repaces_between_the_layers_of_a_step(tiny_llama) -> None:
+    """Pacing (kernels/core_share.py) reaches a decode worker within a layer of a prefill worker
+    starting beside it: besides once per turn, `pace(True)` runs after every layer of a step."""
+    config = EngineConfig(tiny_llama, dtype="float32", block_size=4, num_kv_blocks=64)
+    transport = make_transport("gloo", torch.device("cpu"))
+    calls: list[bool] = []
+    decode = DecodeWorker(
+        "d-paced", LLMEngine(config), transport, transfer_timeout=5, pace=calls.append
+    )
+    try:
+        decode.add_local(WorkRequest("local", list(range(3, 20)), GREEDY)).result(60)
+        updates, deadline = [], time.monotonic() + 60
+        while not any(getattr(u, "finish_reason", None) for u in updates):
+            assert time.monotonic() < deadline, "the request never finished"
+            updates += decode.take_updates(timeout=0.5)
+    finally:
+        decode.shutdown()
+    steps = decode.engine.step_log.since(0)[1]
+    layers = decode.engine.model_config.num_layers
+    assert len(steps) == GREEDY.max_tokens  # one prefill step, then one decode step a token
+    # one call a turn with work, one a layer of each step; False once idle and at the end
+    assert calls.count(True) >= len(steps) * (layers + 1)
+    assert calls[-1] is False
