@@ -36,12 +36,11 @@ from engine.block_manager import num_blocks_for
 from engine.scheduler import StepPlan
 from engine.sequence import Sequence as EngineSequence
 from loadtest.config import LoadConfig
-from planning.cost_model import StepCostModel
 from protocol.sampling import FinishReason
 from simulation.deployment import Scenario
 from simulation.interference import slowed
 from simulation.leap import Leap, cut, plan_leap, settle
-from simulation.worker import SimWorker
+from simulation.worker import PacedStep, SimWorker
 from simulation.workload import SimRequest
 
 FRESH_TOKEN_BASE = 1 << 40  # made-up output tokens of real (list) prompts: shared by none
@@ -381,25 +380,61 @@ class Simulation:
         if not plan.chunks:  # nothing fits until blocks free up; a finish wakes it
             worker.stepping = False
             return
-        seconds = self._step_seconds(worker, max(self._model(worker).predict(plan.shape()), 1e-6))
+        threads = self._threads(worker)
+        model = (
+            self.scenario.costs.step if threads is None else self.scenario.costs.step_on(threads)
+        )
+        seconds = self._step_seconds(worker, max(model.predict(plan.shape()), 1e-6))
         worker.step_ends_at = self.now + seconds
         landed = self._send_kv(worker, plan, seconds) if worker.pool == "prefill" else {}
-        self.at(self.now + seconds, self._end_step, worker, plan, seconds, landed, epoch)
+        worker.step_id += 1
+        self.at(
+            self.now + seconds, self._end_step, worker, plan, seconds, landed, epoch, worker.step_id
+        )
+        if threads is not None:
+            worker.threads_used[threads] = worker.threads_used.get(threads, 0) + 1
+            if worker.pool == "decode":
+                worker.paced = PacedStep(plan, threads, seconds, self.now)
+            self._repace(worker)
 
-    def _model(self, worker: SimWorker) -> StepCostModel:
-        """The cost model of `worker`'s step starting now: on workers that pace their cores
-        (Deployment.paced_cores), the one for its share of them among the workers with work."""
-        costs, cores = self.scenario.costs, self.scenario.deployment.paced_cores
+    def _threads(self, worker: SimWorker) -> int | None:
+        """On workers that pace their cores (Deployment.paced_cores): the threads a step of
+        `worker` gets now, its share of the cores among the workers with work. Else None."""
+        cores = self.scenario.deployment.paced_cores
         if cores is None:
-            return costs.step
+            return None
         busy = sum(
             1
             for w in self.workers.values()
             if w.alive and (w is worker or w.scheduler.num_unfinished)
         )
-        threads = max(1, cores // busy)
-        worker.threads_used[threads] = worker.threads_used.get(threads, 0) + 1
-        return costs.step_on(threads)
+        return max(1, cores // busy)
+
+    def _repace(self, changed: SimWorker) -> None:
+        """`changed` started or stopped having work: every other paced decode step in progress
+        runs the rest of its way on its new share of the cores (decode workers re-pace between
+        layers), its end moved to match."""
+        for worker in self.workers.values():
+            step = worker.paced
+            if worker is changed or step is None or not worker.alive:
+                continue
+            if worker.step_ends_at <= self.now:
+                worker.paced = None
+                continue
+            threads = self._threads(worker)
+            if threads is None or threads == step.threads:
+                continue
+            model = self.scenario.costs.step_on(threads)
+            step.done += (self.now - step.since) / step.total
+            step.total = max(model.predict(step.plan.shape()), 1e-6)
+            step.threads, step.since = threads, self.now
+            ends = self.now + max(0.0, 1.0 - step.done) * step.total
+            worker.step_ends_at = ends
+            worker.step_id += 1
+            self.at(
+                ends, self._end_step, worker, step.plan, ends - step.started, {}, worker.epoch,
+                worker.step_id,
+            )  # fmt: skip
 
     def _step_seconds(self, worker: SimWorker, seconds: float) -> float:
         """How long a step of `worker` starting now lasts (`seconds` as modelled) when workers
@@ -448,9 +483,11 @@ class Simulation:
         seconds: float,
         landed: dict[str, float],
         epoch: int,
+        step_id: int,
     ) -> None:
-        if not worker.alive or epoch != worker.epoch:
-            return
+        if not worker.alive or epoch != worker.epoch or step_id != worker.step_id:
+            return  # the worker died or moved, or this step's end was re-timed
+        worker.paced = None
         worker.busy_seconds += seconds
         worker.num_steps += 1
         # A request aborted during the step (its other worker died or moved) is not committed;
@@ -472,6 +509,8 @@ class Simulation:
                 continue
             self._token(worker, run, seq, delivery)
         worker.stepping = False
+        if self.scenario.deployment.paced_cores is not None and not worker.scheduler.num_unfinished:
+            self._repace(worker)  # idle now: the others get its cores
         self._wake(worker)
 
     def _run_of(self, seq: EngineSequence) -> Run:

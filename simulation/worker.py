@@ -12,13 +12,29 @@ from collections.abc import Sequence as Sequence_
 from dataclasses import dataclass, field
 
 from engine.block_manager import BlockManager
-from engine.scheduler import Scheduler, SchedulerConfig, fits_with_headroom
+from engine.scheduler import Scheduler, SchedulerConfig, StepPlan, fits_with_headroom
 from engine.sequence import Sequence
 from protocol.sampling import FinishReason, SamplingParams
 from simulation.deployment import EngineLimits
 from simulation.leap import Leap
 
 _PARAMS: dict[int, SamplingParams] = {}  # by max_tokens (the simulator ends requests itself)
+
+
+class PacedStep:
+    """A decode step on workers that pace their cores (Deployment.paced_cores): it re-paces
+    between layers (decode/worker.py), so when another worker starts or stops computing, the
+    rest of the step runs on the new thread count."""
+
+    __slots__ = ("plan", "threads", "total", "done", "since", "started")
+
+    def __init__(self, plan: StepPlan, threads: int, total: float, now: float) -> None:
+        self.plan = plan
+        self.threads = threads
+        self.total = total  # the whole step's seconds on `threads` threads
+        self.done = 0.0  # fraction of the step done before `since`
+        self.since = now
+        self.started = now
 
 
 @dataclass
@@ -45,6 +61,9 @@ class SimWorker:
     num_steps: int = 0
     steps_beside: int = 0  # of them, started while the other pool was in a step (shared host)
     threads_used: dict[int, int] = field(default_factory=dict)  # paced cores: threads -> steps
+    # paced cores: the decode step in progress, re-timed when its share of the cores changes
+    paced: PacedStep | None = None
+    step_id: int = 0  # bumped when the step's end is re-timed: the older end event is void
 
     def __post_init__(self) -> None:
         lim = self.limits

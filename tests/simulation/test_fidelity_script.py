@@ -10,7 +10,10 @@ from pathlib import Path
 
 import pytest
 
+from planning.cost_model import StepCostModel
+from planning.nnls import FitStats
 from protocol.telemetry import StepRecord
+from simulation.deployment import Costs
 
 SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "simulator_fidelity.py"
 _spec = importlib.util.spec_from_file_location("simulator_fidelity", SCRIPT)
@@ -19,8 +22,12 @@ sys.modules["simulator_fidelity"] = fidelity
 _spec.loader.exec_module(fidelity)
 
 
-def step(start: float, seconds: float, prefill_tokens: int = 0) -> StepRecord:
-    return StepRecord(start + seconds, seconds, prefill_tokens, 0, 1, 100, 1, 0)
+def step(start: float, seconds: float, prefill_tokens: int = 0, threads: int = 0) -> StepRecord:
+    return StepRecord(start + seconds, seconds, prefill_tokens, 0, 1, 100, 1, 0, threads)
+
+
+def constant(seconds: float) -> StepCostModel:
+    return StepCostModel(("step",), (seconds,), 16, 1024, FitStats(1, 0.0, 0, None))
 
 
 def test_decode_steps_that_start_inside_any_prefill_step_are_beside_it() -> None:
@@ -61,22 +68,26 @@ def test_the_share_beside_prefill_counts_decode_steps_in_the_run_window_only(mon
                 "steps": [
                     s._asdict()
                     for s in (
-                        step(0.5, 0.02),  # before the run window
-                        step(1.05, 0.02),  # beside the prefill step
-                        step(1.5, 0.02),
-                        step(1.6, 0.02),
-                        step(9.0, 0.02),  # beside nothing, after the window
+                        step(0.5, 0.02, threads=2),  # before the run window
+                        step(1.05, 0.02, threads=1),  # beside the prefill step, paced down
+                        step(1.5, 0.02, threads=2),
+                        step(1.6, 0.02, threads=2),
+                        step(9.0, 0.02, threads=2),  # beside nothing, after the window
                     )
                 ]
             },
         }
     }
     monkeypatch.setattr(fidelity, "telemetry", lambda url: reply)
-    pools = fidelity.pools_real("http://x", 1.0, 2.0)
+    costs = Costs(constant(0.05), by_threads={1: constant(0.04), 2: constant(0.01)})
+    pools = fidelity.pools_real("http://x", 1.0, 2.0, costs)
     assert pools["decode_beside"] == 1 / 3
+    assert pools["decode_fewer_threads"] == 1 / 3
+    assert pools["decode_step_ms"] == pytest.approx(20.0)
+    assert pools["decode_vs_model"] == pytest.approx(2.0)  # 0.5, 2 and 2: each by its threads
     assert (pools["prefill_steps"], pools["prefill_seconds"]) == (1, pytest.approx(0.2))
     del reply["workers"]["prefill-0"]  # colocated: no prefill pool, nothing to tell
-    assert fidelity.pools_real("http://x", 1.0, 2.0) == dict.fromkeys(fidelity.POOL_STATS)
+    assert fidelity.pools_real("http://x", 1.0, 2.0, costs) == dict.fromkeys(fidelity.POOL_STATS)
 
 
 def test_the_simulated_interference_is_the_median_the_mean_or_every_factor() -> None:

@@ -152,14 +152,18 @@ def test_workers_sharing_host_cores_slow_each_other_down():
 
 def test_workers_pacing_their_cores_step_on_their_share_of_them():
     """Two workers pacing two cores (kernels/core_share.py): a step runs on both while the
-    other worker has no work (10 ms, the 2-thread model) and on one while it has (16 ms)."""
+    other worker has no work (10 ms, the 2-thread model) and on one while it has (16 ms), and
+    a step in progress changes pace when the other worker starts or stops having work."""
     requests = [SimRequest(0.0, prompt(32, 1 << 20), 3), SimRequest(0.025, prompt(32, 1 << 21), 3)]
     costs = Costs(step_model(), by_threads={1: step_model(step=0.016), 2: step_model()})
     base = scenario(0, 2, costs=costs)
-    # A alone on worker 0: 0-10-20-30 ms. B reaches worker 1 at 25 ms while A still has work:
-    # one thread (16 ms); A is done when B's next steps start: two threads again.
+    # A alone on worker 0: 0-10-20 ms, its third step from 20 ms on two threads. B reaches
+    # worker 1 at 25 ms: both have work, one thread each. Workers re-pace between layers, so
+    # the rest of a step in progress moves to the new count: A's third step is half done and
+    # takes half of 16 ms more (ends at 33 ms); B's first step (16 ms on one thread) is half done
+    # when A goes idle, and takes half of 10 ms more (ends at 38 ms); then 10 ms steps.
     assert token_times(base, requests, paced_cores=2) == pytest.approx(
-        [0.010, 0.020, 0.030, 0.041, 0.051, 0.061]
+        [0.010, 0.020, 0.033, 0.038, 0.048, 0.058]
     )
     assert token_times(base, requests) == pytest.approx(  # not paced: the default model
         [0.010, 0.020, 0.030, 0.035, 0.045, 0.055]
