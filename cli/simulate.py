@@ -24,6 +24,7 @@ from planning.model_file import PROFILE_FILE
 
 if TYPE_CHECKING:
     from loadtest.config import BenchConfig
+    from planning.cost_model import StepCostModel
     from protocol.kv import KVLayout
     from simulation.deployment import Scenario
     from simulation.workload import SimRequest
@@ -104,6 +105,23 @@ def add_deployment_flags(p: argparse.ArgumentParser) -> None:
         "runs k / N times slower while k workers step); default: a device per worker",
     )
     g.add_argument(
+        "--paced-cores",
+        type=int,
+        metavar="N",
+        help="CPU workers that pace N cores as tandem serve's do on a CPU host it splits: each "
+        "step runs on N // (workers with work) threads, at the --thread-profile measured on that "
+        "many (--profile where none was given), a step in progress re-paced when another "
+        "worker starts or stops having work",
+    )
+    g.add_argument(
+        "--thread-profile",
+        action="append",
+        default=[],
+        metavar="T=PATH",
+        help="with --paced-cores: the step profile measured on T threads (tandem profile "
+        "--threads T); once per thread count",
+    )
+    g.add_argument(
         "--prefill-interference",
         type=float,
         default=1.0,
@@ -177,6 +195,7 @@ def scenario_from_args(args: argparse.Namespace) -> Scenario:
     try:
         step = StepCostModel.load(profile)
         transfer = TransferCostModel.load(args.transfer_profile) if args.transfer_profile else None
+        by_threads = dict(_thread_profile(text) for text in args.thread_profile)
     except (CostModelError, OSError) as err:
         raise CliError(str(err)) from None
     kv, num_blocks = _kv_size(args)
@@ -198,6 +217,7 @@ def scenario_from_args(args: argparse.Namespace) -> Scenario:
             RouteCosts.from_step_model(step),
             late_after_s=None if args.late_after_ms is None else args.late_after_ms / 1e3,
             host_cores=args.host_cores,
+            paced_cores=args.paced_cores,
             prefill_interference=args.prefill_interference,
             decode_interference=args.decode_interference,
         )
@@ -212,7 +232,17 @@ def scenario_from_args(args: argparse.Namespace) -> Scenario:
         worker_start=args.worker_start_s,
     )
     faults = tuple(_fault(text) for text in getattr(args, "kill", []))
-    return Scenario(deployment, Costs(step, transfer, kv), overheads, faults)
+    return Scenario(deployment, Costs(step, transfer, kv, by_threads), overheads, faults)
+
+
+def _thread_profile(text: str) -> tuple[int, StepCostModel]:
+    """--thread-profile T=PATH -> (T, the profile at PATH)."""
+    from planning.cost_model import StepCostModel
+
+    threads, sep, path = text.partition("=")
+    if not sep or not threads.isdigit() or int(threads) < 1 or not path:
+        raise CliError(f"--thread-profile takes THREADS=PATH (THREADS >= 1), not {text!r}")
+    return int(threads), StepCostModel.load(Path(path))
 
 
 def _fault(text: str):  # noqa: ANN202 (simulation.deployment.Fault, imported lazily)

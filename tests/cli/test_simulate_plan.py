@@ -70,12 +70,40 @@ def test_simulate_late_after_serves_newest_first_under_overload(tmp_path, capsys
         (["--decode-headroom-tokens", "-1"], "decode_headroom_tokens"),
         (["--host-cores", "0"], "host_cores"),
         (["--prefill-interference", "0.5"], "prefill_interference"),
+        (["--paced-cores", "2", "--host-cores", "2"], "not both"),
+        (["--paced-cores", "2", "--thread-profile", "one=x.json"], "THREADS=PATH"),
+        (["--paced-cores", "2", "--thread-profile", "1=/nonexistent.json"], "nonexistent"),
     ],
 )
 def test_bad_simulate_input_is_one_line(extra, message, capsys):
     assert main(["simulate", "--profile", str(PROFILE), *WORKLOAD, *extra]) == 1
     err = capsys.readouterr().err
     assert message in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
+
+
+def test_simulate_paces_cores_with_a_profile_per_thread_count(tmp_path, capsys):
+    """Two colocated workers pacing two cores: a 1-thread profile twice as slow as the one
+    given for two threads gives a slower run than the two-thread profile alone, and faster
+    than the 1-thread profile alone."""
+    data = json.loads(PROFILE.read_text())
+    slow = {**data, "coefficients": {k: 2 * v for k, v in data["coefficients"].items()}}
+    (tmp_path / "slow.json").write_text(json.dumps(slow))
+    durations = {}
+    for name, extra in {
+        "fast": [],
+        "paced": ["--paced-cores", "2", "--thread-profile", f"1={tmp_path / 'slow.json'}",
+                  "--thread-profile", f"2={PROFILE}"],
+        "slow": ["--paced-cores", "2", "--thread-profile", f"1={tmp_path / 'slow.json'}",
+                 "--thread-profile", f"2={tmp_path / 'slow.json'}"],
+    }.items():  # fmt: skip
+        args = ["simulate", "--profile", str(PROFILE), "--mode", "colocated",
+                "--decode-workers", "2", *WORKLOAD, *extra, "--save-result", "--result-dir",
+                str(tmp_path), "--result-filename", f"{name}.json"]  # fmt: skip
+        assert main(args) == 0
+        record = json.loads((tmp_path / f"{name}.json").read_text())
+        assert record["completed"] == 30
+        durations[name] = record["mean_e2el_ms"]
+    assert durations["fast"] < durations["paced"] < durations["slow"]
 
 
 def test_simulate_without_a_profile_says_what_to_give(capsys):
