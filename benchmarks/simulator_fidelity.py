@@ -41,6 +41,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -156,6 +157,8 @@ class Calibration:
     # per thread count, each fitted on every step that ran on that many (what the simulator
     # takes then, with no interference factor: the thread count is the interference).
     by_threads: dict[int, StepCostModel] = field(default_factory=dict)
+    # each fitted step's time over its model's: the spread the simulator draws from
+    step_noise: tuple[float, ...] = ()
 
 
 def telemetry(url: str) -> dict:
@@ -262,12 +265,13 @@ def calibrate(
                 info = ProfileInfo(model=f"{name}-{threads}t", source="telemetry")
                 models[threads] = fit(train, heldout, info)
         if models:
-            fitted = sum(m.stats.num_train + m.stats.num_heldout for m in models.values())
-            return Calibration(models[max(models)], 1.0, 1.0, gap, fitted, models)
+            fitted = [s for s in steps if s.threads in models]
+            noise = spread(fitted, lambda s: models[s.threads])
+            return Calibration(models[max(models)], 1.0, 1.0, gap, len(fitted), models, noise)
     if not interference or alone is None:
         train, heldout = split_every(steps, 5)
         model = fit(train, heldout, ProfileInfo(model=name, source="telemetry"))
-        return Calibration(model, 1.0, 1.0, gap, len(steps))
+        return Calibration(model, 1.0, 1.0, gap, len(steps), step_noise=spread(steps, model))
     decode_beside = beside(per_worker, "decode", "prefill")
     prefill_beside = beside(per_worker, "prefill", "decode")
     start, end = alone
@@ -301,7 +305,16 @@ def calibrate(
         slowdown(prefill_beside, "prefill"),
         gap,
         len(records),
+        step_noise=spread(records, model),
     )
+
+
+def spread(
+    steps: list[StepRecord], model: StepCostModel | Callable[[StepRecord], StepCostModel]
+) -> tuple[float, ...]:
+    """Each step's time over what its model predicts (one model, or one per step), sorted."""
+    pick = model if callable(model) else lambda s: model
+    return tuple(sorted(s.seconds / max(pick(s).predict(s), 1e-9) for s in steps))
 
 
 def simulated(factors: float | tuple[float, ...], how: str) -> float | tuple[float, ...]:
@@ -429,6 +442,7 @@ def run_layout(model: Path, layout: str, args: argparse.Namespace, work: Path) -
                         prefill_interference=simulated(cal.prefill_interference, args.interference),
                         decode_interference=simulated(cal.decode_interference, args.interference),
                         paced_cores=max(cal.by_threads) if cal.by_threads else None,
+                        step_noise=cal.step_noise if args.step_noise else (),
                     ),
                     costs,
                     Overheads(
@@ -444,6 +458,7 @@ def run_layout(model: Path, layout: str, args: argparse.Namespace, work: Path) -
                        "prefill_interference": summary(cal.prefill_interference),
                        "decode_interference": summary(cal.decode_interference),
                        "handover_ms": handover * 1e3,
+                       "step_noise": summary(cal.step_noise) if args.step_noise else None,
                        "thread_models": {t: {"steps": m.stats.num_train + m.stats.num_heldout,
                                              "heldout_mae_pct": m.stats.heldout_mae_pct}
                                          for t, m in cal.by_threads.items()},
@@ -531,6 +546,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=True,
         help="when the workers paced their cores (steps on different thread counts), fit a "
         "model per thread count and simulate the pacing, with no interference factor",
+    )
+    p.add_argument(
+        "--step-noise",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="each simulated step draws one of the fitted steps' times over the model's (the "
+        "spread a deterministic model lacks: the ITL tail); --no-step-noise: the model's time",
     )
     p.add_argument(
         "--interference",

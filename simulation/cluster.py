@@ -115,8 +115,10 @@ class Simulation:
         # off: every decode step through the scheduler (same outcome). Workers that share a
         # host step one at a time: how long a step takes depends on who else is stepping.
         dep = scenario.deployment
-        self.leaping = leaping and not dep.shares_host
+        # A leap prices its steps ahead without noise.
+        self.leaping = leaping and not dep.shares_host and not dep.step_noise
         self._draws = random.Random(0)  # measured interference factors: the same every run
+        self._noise = random.Random(1)  # measured step-time spread (Deployment.step_noise)
         self.load = load or LoadConfig()
         self.max_attempts = max_attempts
         self.now = 0.0
@@ -384,7 +386,8 @@ class Simulation:
         model = (
             self.scenario.costs.step if threads is None else self.scenario.costs.step_on(threads)
         )
-        seconds = self._step_seconds(worker, max(model.predict(plan.shape()), 1e-6))
+        noise = self._step_noise()
+        seconds = self._step_seconds(worker, max(model.predict(plan.shape()), 1e-6) * noise)
         worker.step_ends_at = self.now + seconds
         landed = self._send_kv(worker, plan, seconds) if worker.pool == "prefill" else {}
         worker.step_id += 1
@@ -394,8 +397,13 @@ class Simulation:
         if threads is not None:
             worker.threads_used[threads] = worker.threads_used.get(threads, 0) + 1
             if worker.pool == "decode":
-                worker.paced = PacedStep(plan, threads, seconds, self.now)
+                worker.paced = PacedStep(plan, threads, seconds, self.now, noise)
             self._repace(worker)
+
+    def _step_noise(self) -> float:
+        """A step's draw of the measured spread around the model (Deployment.step_noise)."""
+        noise = self.scenario.deployment.step_noise
+        return self._noise.choice(noise) if noise else 1.0
 
     def _threads(self, worker: SimWorker) -> int | None:
         """On workers that pace their cores (Deployment.paced_cores): the threads a step of
@@ -426,7 +434,7 @@ class Simulation:
                 continue
             model = self.scenario.costs.step_on(threads)
             step.done += (self.now - step.since) / step.total
-            step.total = max(model.predict(step.plan.shape()), 1e-6)
+            step.total = max(model.predict(step.plan.shape()), 1e-6) * step.noise
             step.threads, step.since = threads, self.now
             ends = self.now + max(0.0, 1.0 - step.done) * step.total
             worker.step_ends_at = ends

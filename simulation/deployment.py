@@ -63,6 +63,10 @@ class Deployment:
     # The other way: a prefill step that starts while a decode worker is in a step, measured
     # against the prefill steps' cost alone. 1: none.
     decode_interference: float | tuple[float, ...] = 1.0
+    # Measured spread of step times around the model: real step time over the model's, of the
+    # steps the model was fitted on (benchmarks/simulator_fidelity.py). Each step draws one
+    # (seeded: the same draws every run). Empty: every step takes what the model says.
+    step_noise: tuple[float, ...] = ()
 
     def __post_init__(self) -> None:
         if self.prefill_workers < 0 or self.decode_workers < 1:
@@ -79,6 +83,8 @@ class Deployment:
                     raise SimulationError("measured interference factors must be more than 0")
             elif factors < 1:
                 raise SimulationError("prefill_interference and decode_interference must be >= 1")
+        if self.step_noise and min(self.step_noise) <= 0:
+            raise SimulationError("step_noise factors must be more than 0")
         if self.routing not in POLICIES:
             raise SimulationError(f"routing must be one of {', '.join(POLICIES)}")
 

@@ -26,12 +26,15 @@ class PacedStep:
     between layers (decode/worker.py), so when another worker starts or stops computing, the
     rest of the step runs on the new thread count."""
 
-    __slots__ = ("plan", "threads", "total", "done", "since", "started")
+    __slots__ = ("plan", "threads", "total", "done", "since", "started", "noise")
 
-    def __init__(self, plan: StepPlan, threads: int, total: float, now: float) -> None:
+    def __init__(
+        self, plan: StepPlan, threads: int, total: float, now: float, noise: float = 1.0
+    ) -> None:
         self.plan = plan
         self.threads = threads
         self.total = total  # the whole step's seconds on `threads` threads
+        self.noise = noise  # its draw of Deployment.step_noise, kept when it is re-timed
         self.done = 0.0  # fraction of the step done before `since`
         self.since = now
         self.started = now

@@ -172,6 +172,20 @@ def test_workers_pacing_their_cores_step_on_their_share_of_them():
     assert token_times(base, requests, paced_cores=4)[3:] == pytest.approx([0.035, 0.045, 0.055])
 
 
+def test_steps_draw_the_measured_spread_around_the_model():
+    requests = [SimRequest(0.0, prompt(32, 1 << 20), 4), SimRequest(0.0, prompt(32, 1 << 21), 4)]
+    base = scenario(0, 1)
+    assert token_times(base, requests, step_noise=(2.0,)) == pytest.approx(
+        [0.020, 0.040, 0.060, 0.080] * 2  # every step twice the model's 10 ms
+    )
+    spread = token_times(base, requests, step_noise=(0.5, 1.0, 3.0))
+    gaps = {round(b - a, 6) for a, b in zip(spread[:3], spread[1:4], strict=True)}
+    assert gaps <= {0.005, 0.010, 0.030} and len(gaps) > 1  # each step draws one
+    assert token_times(base, requests, step_noise=(0.5, 1.0, 3.0)) == spread  # seeded
+    with pytest.raises(SimulationError, match="step_noise"):
+        replace(base.deployment, step_noise=(0.0,))
+
+
 def test_costs_take_the_model_fitted_on_the_most_threads_up_to_the_count():
     one, two = step_model(step=0.02), step_model(step=0.01)
     costs = Costs(step_model(step=0.05), by_threads={1: one, 2: two})
