@@ -173,12 +173,13 @@ def steps_of(reply: dict) -> dict[str, list[StepRecord]]:
     }
 
 
-def pools_real(url: str, start: float, end: float, costs: Costs) -> dict[str, float | None]:
+def pools_real(
+    per_worker: dict[str, list[StepRecord]], start: float, end: float, costs: Costs
+) -> dict[str, float | None]:
     """Of the steps that ended in [start, end]: the share of decode steps that started while a
     prefill worker was in a step and of those on fewer threads than the most, their mean time
     and the median of their time over what `costs` gives them, and the prefill steps' count and
-    seconds (None without a prefill pool)."""
-    per_worker = steps_of(telemetry(url))
+    seconds (None without a prefill pool). `per_worker`: each worker's steps (`steps_of`)."""
     if not any(w.startswith("prefill") for w in per_worker):
         return dict.fromkeys(POOL_STATS)
     ids = beside(per_worker, "decode", "prefill")
@@ -227,8 +228,7 @@ def pools_sim(outcome: Outcome) -> dict[str, float | None]:
 
 
 def calibrate(
-    url: str,
-    work: Path,
+    reply: dict,
     name: str,
     interference: bool,
     alone: tuple[float, float] | None,
@@ -241,10 +241,7 @@ def calibrate(
     (prefill steps from the run in the `alone` window of wall time, where nothing decodes;
     decode steps after it that started beside no prefill step), and the slowdowns over it of
     the steps that did are each pool's interference factors; else every step is fitted and
-    there is none."""
-    reply = telemetry(url)
-    path = work / f"{name}-telemetry.json"
-    path.write_text(json.dumps(reply))
+    there is none. `reply`: GET /admin/telemetry after the calibration run."""
     per_worker = steps_of(reply)
     # The host time between steps, from the workers that step back to back while busy: a
     # prefill worker's pauses are mostly waits for the next prompt.
@@ -413,11 +410,8 @@ def run_layout(model: Path, layout: str, args: argparse.Namespace, work: Path) -
             ])  # fmt: skip
             capacity = calib["request_throughput"]
             handover = bucket_median(handover_before, handover_buckets(server.url))
-            if not args.handover:
-                handover = 0.0
-            cal = calibrate(
-                server.url, work, f"{layout}-{mix}", args.fit_interference, alone, args.fit_threads
-            )
+            reply = telemetry(server.url)
+            (work / f"{layout}-{mix}-telemetry.json").write_text(json.dumps(reply))
             for fraction in args.loads:
                 rate = round(fraction * capacity, 3)
                 count = max(20, round(rate * args.duration))
@@ -426,48 +420,94 @@ def run_layout(model: Path, layout: str, args: argparse.Namespace, work: Path) -
                     "--num-prompts", str(count), "--request-rate", str(rate),
                     "--seed", str(args.seed),
                 ])  # fmt: skip
-                costs = Costs(cal.model, by_threads=cal.by_threads)
-                pools = pools_real(server.url, started, time.time(), costs)
+                window = (started, time.time())
+                run_reply = telemetry(server.url)
                 (work / f"{layout}-{mix}-{fraction}-telemetry.json").write_text(
-                    json.dumps(telemetry(server.url))
+                    json.dumps(run_reply)
                 )
-                load = LoadConfig(request_rate=rate, seed=args.seed)
-                samples = sample_requests(DatasetConfig(spec, count, args.seed), tokenizer)
-                requests = from_samples(samples, tokenizer.encode, load)
-                scenario = Scenario(
-                    Deployment(
-                        prefill,
-                        decode,
-                        EngineLimits(args.num_kv_blocks),
-                        prefill_interference=simulated(cal.prefill_interference, args.interference),
-                        decode_interference=simulated(cal.decode_interference, args.interference),
-                        paced_cores=max(cal.by_threads) if cal.by_threads else None,
-                        step_noise=cal.step_noise if args.step_noise else (),
-                    ),
-                    costs,
-                    Overheads(
-                        step_gap=cal.step_gap, dispatch=args.dispatch_ms / 1e3, handover=handover
-                    ),
-                )
-                outcome = Simulation(scenario, requests, load).run()
-                sim = simulated_record(outcome, scenario, load)
-                row = {"layout": layout, "mix": mix, "load": fraction, "rate": rate,
-                       "capacity_req_s": capacity, "fitted_steps": cal.fitted,
-                       "fit_heldout_mae_pct": cal.model.stats.heldout_mae_pct,
-                       "step_gap_ms": cal.step_gap * 1e3,
-                       "prefill_interference": summary(cal.prefill_interference),
-                       "decode_interference": summary(cal.decode_interference),
-                       "handover_ms": handover * 1e3,
-                       "step_noise": summary(cal.step_noise) if args.step_noise else None,
-                       "thread_models": {t: {"steps": m.stats.num_train + m.stats.num_heldout,
-                                             "heldout_mae_pct": m.stats.heldout_mae_pct}
-                                         for t, m in cal.by_threads.items()},
-                       # decode steps started beside a prefill step; prefill steps, seconds
-                       **{f"{k}_real": v for k, v in pools.items()},
-                       **{f"{k}_sim": v for k, v in pools_sim(outcome).items()},
-                       **compare(real, sim, args)}  # fmt: skip
+                measured = {
+                    "layout": layout, "mix": mix, "load": fraction, "rate": rate, "count": count,
+                    "capacity_req_s": capacity, "handover_ms": handover * 1e3, "alone": alone,
+                    "window": window,
+                }  # fmt: skip
+                row = simulate(measured, reply, run_reply, real, tokenizer, args)
                 rows.append(row)
                 print(json.dumps(row), file=sys.stderr, flush=True)
+    return rows
+
+
+def simulate(
+    measured: dict,
+    reply: dict,
+    run_reply: dict,
+    real: dict,
+    tokenizer: LocalTokenizer,
+    args: argparse.Namespace,
+) -> dict:
+    """One report row: the simulator on the very requests of a real run. `measured`: what the
+    real side gave (layout, mix, load, rate, request count, capacity, handover, the calibration's
+    `alone` window and the run's window); `reply`: the telemetry after the calibration run;
+    `run_reply`: after the run; `real`: the run's bench record."""
+    layout, mix, rate = measured["layout"], measured["mix"], measured["rate"]
+    prefill, decode = LAYOUTS[layout]
+    alone = tuple(measured["alone"]) if measured.get("alone") else None
+    cal = calibrate(reply, f"{layout}-{mix}", args.fit_interference, alone, args.fit_threads)
+    costs = Costs(cal.model, by_threads=cal.by_threads)
+    pools = pools_real(steps_of(run_reply), *measured["window"], costs)
+    load = LoadConfig(request_rate=rate, seed=args.seed)
+    spec = MIXES[mix][1]
+    samples = sample_requests(DatasetConfig(spec, measured["count"], args.seed), tokenizer)
+    requests = from_samples(samples, tokenizer.encode, load)
+    handover = measured["handover_ms"] / 1e3 if args.handover else 0.0
+    scenario = Scenario(
+        Deployment(
+            prefill,
+            decode,
+            EngineLimits(args.num_kv_blocks),
+            prefill_interference=simulated(cal.prefill_interference, args.interference),
+            decode_interference=simulated(cal.decode_interference, args.interference),
+            paced_cores=max(cal.by_threads) if cal.by_threads else None,
+            step_noise=cal.step_noise if args.step_noise else (),
+        ),
+        costs,
+        Overheads(step_gap=cal.step_gap, dispatch=args.dispatch_ms / 1e3, handover=handover),
+    )
+    outcome = Simulation(scenario, requests, load).run()
+    sim = simulated_record(outcome, scenario, load)
+    return {**measured, "fitted_steps": cal.fitted,
+            "fit_heldout_mae_pct": cal.model.stats.heldout_mae_pct,
+            "step_gap_ms": cal.step_gap * 1e3,
+            "prefill_interference": summary(cal.prefill_interference),
+            "decode_interference": summary(cal.decode_interference),
+            "step_noise": summary(cal.step_noise) if args.step_noise else None,
+            "thread_models": {t: {"steps": m.stats.num_train + m.stats.num_heldout,
+                                  "heldout_mae_pct": m.stats.heldout_mae_pct}
+                              for t, m in cal.by_threads.items()},
+            # decode steps started beside a prefill step; prefill steps, seconds
+            **{f"{k}_real": v for k, v in pools.items()},
+            **{f"{k}_sim": v for k, v in pools_sim(outcome).items()},
+            **compare(real, sim, args)}  # fmt: skip
+
+
+def replay(args: argparse.Namespace) -> list[dict]:
+    """The simulations of an earlier run again, against its saved real runs (its --work-dir):
+    simulator changes and flags compared on the same measurements, with no serving."""
+    earlier = json.loads(args.replay.read_text())
+    work = Path(earlier["settings"]["work_dir"])
+    tokenizer = LocalTokenizer(args.model)
+    rows = []
+    for old in earlier["rows"]:
+        name, fraction = f"{old['layout']}-{old['mix']}", old["load"]
+        reply = json.loads((work / f"{name}-telemetry.json").read_text())
+        run_reply = json.loads((work / f"{name}-{fraction}-telemetry.json").read_text())
+        real = json.loads((work / f"{name}-{fraction}.json").read_text())
+        measured = dict(old)
+        # Reports from before the request count and the run's window were kept in them:
+        measured.setdefault("count", max(20, round(old["rate"] * earlier["settings"]["duration"])))
+        if "window" not in measured:  # the run ended with its last step
+            last = max(s["end"] for w in run_reply["workers"].values() for s in w["steps"])
+            measured["window"] = (last - real["duration"], last)
+        rows.append(simulate(measured, reply, run_reply, real, tokenizer, args))
     return rows
 
 
@@ -569,6 +609,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--json", type=Path, default=None)
     p.add_argument(
+        "--replay",
+        type=Path,
+        default=None,
+        metavar="JSON",
+        help="simulate again against the real runs of an earlier --json report (it needs its "
+        "--work-dir): no serving, the same measurements",
+    )
+    p.add_argument(
         "--work-dir",
         type=Path,
         default=None,
@@ -583,12 +631,7 @@ def main(argv: list[str] | None = None) -> int:
         from engine.fetch import fetch_default_model
 
         args.model = fetch_default_model()
-    rows: list[dict] = []
-    with tempfile.TemporaryDirectory(prefix="tandem-fidelity-") as tmp:
-        work = args.work_dir or Path(tmp)
-        work.mkdir(parents=True, exist_ok=True)
-        for layout in args.layouts:
-            rows += run_layout(args.model, layout, args, work)
+    rows = replay(args) if args.replay is not None else serve_and_simulate(args)
     print(format_table(rows))
     if args.json is not None:
         args.json.parent.mkdir(parents=True, exist_ok=True)
@@ -596,6 +639,16 @@ def main(argv: list[str] | None = None) -> int:
             json.dumps({"settings": vars(args), "rows": rows}, indent=2, default=str)
         )
     return 0
+
+
+def serve_and_simulate(args: argparse.Namespace) -> list[dict]:
+    rows: list[dict] = []
+    with tempfile.TemporaryDirectory(prefix="tandem-fidelity-") as tmp:
+        work = args.work_dir or Path(tmp)
+        work.mkdir(parents=True, exist_ok=True)
+        for layout in args.layouts:
+            rows += run_layout(args.model, layout, args, work)
+    return rows
 
 
 if __name__ == "__main__":

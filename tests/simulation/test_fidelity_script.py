@@ -60,7 +60,7 @@ def test_the_handover_median_is_read_from_the_histograms_growth() -> None:
     assert fidelity.bucket_median({}, {0.01: 1.0, inf: 4.0}) == 0.01  # past the last bound
 
 
-def test_the_share_beside_prefill_counts_decode_steps_in_the_run_window_only(monkeypatch) -> None:
+def test_the_share_beside_prefill_counts_decode_steps_in_the_run_window_only() -> None:
     reply = {
         "workers": {
             "prefill-0": {"steps": [step(1.0, 0.2, 100)._asdict()]},  # 1.0 - 1.2 s
@@ -78,16 +78,16 @@ def test_the_share_beside_prefill_counts_decode_steps_in_the_run_window_only(mon
             },
         }
     }
-    monkeypatch.setattr(fidelity, "telemetry", lambda url: reply)
     costs = Costs(constant(0.05), by_threads={1: constant(0.04), 2: constant(0.01)})
-    pools = fidelity.pools_real("http://x", 1.0, 2.0, costs)
+    pools = fidelity.pools_real(fidelity.steps_of(reply), 1.0, 2.0, costs)
     assert pools["decode_beside"] == 1 / 3
     assert pools["decode_fewer_threads"] == 1 / 3
     assert pools["decode_step_ms"] == pytest.approx(20.0)
     assert pools["decode_vs_model"] == pytest.approx(2.0)  # 0.5, 2 and 2: each by its threads
     assert (pools["prefill_steps"], pools["prefill_seconds"]) == (1, pytest.approx(0.2))
     del reply["workers"]["prefill-0"]  # colocated: no prefill pool, nothing to tell
-    assert fidelity.pools_real("http://x", 1.0, 2.0, costs) == dict.fromkeys(fidelity.POOL_STATS)
+    colocated = fidelity.steps_of(reply)
+    assert fidelity.pools_real(colocated, 1.0, 2.0, costs) == dict.fromkeys(fidelity.POOL_STATS)
 
 
 def test_the_simulated_interference_is_the_median_the_mean_or_every_factor() -> None:
