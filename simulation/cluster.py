@@ -396,8 +396,10 @@ class Simulation:
         )
         if threads is not None:
             worker.threads_used[threads] = worker.threads_used.get(threads, 0) + 1
-            if worker.pool == "decode":
-                worker.paced = PacedStep(plan, threads, seconds, self.now, noise)
+            costs = self.scenario.costs
+            if worker.pool == "decode" or costs.transfer is None or costs.kv is None:
+                # A prefill step whose KV sends are timed per layer on the link keeps its pace.
+                worker.paced = PacedStep(plan, threads, seconds, self.now, noise, list(landed))
             self._repace(worker)
 
     def _step_noise(self) -> float:
@@ -419,9 +421,9 @@ class Simulation:
         return max(1, cores // busy)
 
     def _repace(self, changed: SimWorker) -> None:
-        """`changed` started or stopped having work: every other paced decode step in progress
-        runs the rest of its way on its new share of the cores (decode workers re-pace between
-        layers), its end moved to match."""
+        """`changed` started or stopped having work: every other paced step in progress runs
+        the rest of its way on its new share of the cores (workers re-pace between layers), its
+        end moved to match (a prefill step's KV, sent at its end without a transfer model, too)."""
         for worker in self.workers.values():
             step = worker.paced
             if worker is changed or step is None or not worker.alive:
@@ -440,7 +442,8 @@ class Simulation:
             worker.step_ends_at = ends
             worker.step_id += 1
             self.at(
-                ends, self._end_step, worker, step.plan, ends - step.started, {}, worker.epoch,
+                ends, self._end_step, worker, step.plan, ends - step.started,
+                dict.fromkeys(step.landed, ends), worker.epoch,
                 worker.step_id,
             )  # fmt: skip
 

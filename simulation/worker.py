@@ -22,15 +22,22 @@ _PARAMS: dict[int, SamplingParams] = {}  # by max_tokens (the simulator ends req
 
 
 class PacedStep:
-    """A decode step on workers that pace their cores (Deployment.paced_cores): it re-paces
-    between layers (decode/worker.py), so when another worker starts or stops computing, the
-    rest of the step runs on the new thread count."""
+    """A step on workers that pace their cores (Deployment.paced_cores): workers re-pace
+    between layers (prefill/worker.py, decode/worker.py), so when another worker starts or
+    stops computing, the rest of the step runs on the new thread count."""
 
-    __slots__ = ("plan", "threads", "total", "done", "since", "started", "noise")
+    __slots__ = ("plan", "threads", "total", "done", "since", "started", "noise", "landed")
 
     def __init__(
-        self, plan: StepPlan, threads: int, total: float, now: float, noise: float = 1.0
+        self,
+        plan: StepPlan,
+        threads: int,
+        total: float,
+        now: float,
+        noise: float = 1.0,
+        landed: list[str] | None = None,
     ) -> None:
+        self.landed = landed or []  # a prefill step's requests: their KV lands at its end
         self.plan = plan
         self.threads = threads
         self.total = total  # the whole step's seconds on `threads` threads

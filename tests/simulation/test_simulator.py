@@ -172,6 +172,18 @@ def test_workers_pacing_their_cores_step_on_their_share_of_them():
     assert token_times(base, requests, paced_cores=4)[3:] == pytest.approx([0.035, 0.045, 0.055])
 
 
+def test_a_paced_prefill_step_speeds_up_when_the_decode_worker_goes_idle():
+    requests = [SimRequest(0.0, prompt(32, 1 << 20), 3), SimRequest(0.025, prompt(32, 1 << 21), 3)]
+    costs = Costs(step_model(), by_threads={1: step_model(step=0.016), 2: step_model()})
+    # A: prefilled alone on both cores (0-10 ms), then decoded alone (10-20, 20- ms). B's prompt
+    # reaches the prefill worker at 25 ms: one core each. A's last step is half done (ends at
+    # 33 ms), then the decode worker idles and B's prefill step, half done, takes both cores
+    # for the rest (ends at 38 ms); B then decodes alone.
+    assert token_times(scenario(1, 1, costs=costs), requests, paced_cores=2) == pytest.approx(
+        [0.010, 0.020, 0.033, 0.038, 0.048, 0.058]
+    )
+
+
 def test_steps_draw_the_measured_spread_around_the_model():
     requests = [SimRequest(0.0, prompt(32, 1 << 20), 4), SimRequest(0.0, prompt(32, 1 << 21), 4)]
     base = scenario(0, 1)
