@@ -157,8 +157,10 @@ class Calibration:
     # per thread count, each fitted on every step that ran on that many (what the simulator
     # takes then, with no interference factor: the thread count is the interference).
     by_threads: dict[int, StepCostModel] = field(default_factory=dict)
-    # each fitted step's time over its model's: the spread the simulator draws from
+    # each fitted step's time over its model's, decode steps and steps with prompt tokens
+    # apart: the spread the simulator draws from
     step_noise: tuple[float, ...] = ()
+    prefill_step_noise: tuple[float, ...] = ()
 
 
 def telemetry(url: str) -> dict:
@@ -263,12 +265,12 @@ def calibrate(
                 models[threads] = fit(train, heldout, info)
         if models:
             fitted = [s for s in steps if s.threads in models]
-            noise = spread(fitted, lambda s: models[s.threads])
-            return Calibration(models[max(models)], 1.0, 1.0, gap, len(fitted), models, noise)
+            noise = spreads(fitted, lambda s: models[s.threads])
+            return Calibration(models[max(models)], 1.0, 1.0, gap, len(fitted), models, *noise)
     if not interference or alone is None:
         train, heldout = split_every(steps, 5)
         model = fit(train, heldout, ProfileInfo(model=name, source="telemetry"))
-        return Calibration(model, 1.0, 1.0, gap, len(steps), step_noise=spread(steps, model))
+        return Calibration(model, 1.0, 1.0, gap, len(steps), {}, *spreads(steps, model))
     decode_beside = beside(per_worker, "decode", "prefill")
     prefill_beside = beside(per_worker, "prefill", "decode")
     start, end = alone
@@ -302,16 +304,25 @@ def calibrate(
         slowdown(prefill_beside, "prefill"),
         gap,
         len(records),
-        step_noise=spread(records, model),
+        {},
+        *spreads(records, model),
     )
 
 
-def spread(
+def spreads(
     steps: list[StepRecord], model: StepCostModel | Callable[[StepRecord], StepCostModel]
-) -> tuple[float, ...]:
-    """Each step's time over what its model predicts (one model, or one per step), sorted."""
+) -> tuple[tuple[float, ...], tuple[float, ...]]:
+    """Each step's time over what its model predicts (one model, or one per step), sorted: of
+    the decode steps, and of the steps with prompt tokens."""
     pick = model if callable(model) else lambda s: model
-    return tuple(sorted(s.seconds / max(pick(s).predict(s), 1e-9) for s in steps))
+
+    def ratios(kind: list[StepRecord]) -> tuple[float, ...]:
+        return tuple(sorted(s.seconds / max(pick(s).predict(s), 1e-9) for s in kind))
+
+    return (
+        ratios([s for s in steps if not s.prefill_tokens]),
+        ratios([s for s in steps if s.prefill_tokens]),
+    )
 
 
 def simulated(factors: float | tuple[float, ...], how: str) -> float | tuple[float, ...]:
@@ -326,6 +337,8 @@ def simulated(factors: float | tuple[float, ...], how: str) -> float | tuple[flo
 def summary(factors: float | tuple[float, ...]) -> dict[str, float]:
     """Measured interference factors in a report: how many, and their median and p90."""
     values = factors if isinstance(factors, tuple) else (factors,)
+    if not values:
+        return {"count": 0}
     return {
         "count": len(values),
         "median": statistics.median(values),
@@ -468,25 +481,38 @@ def simulate(
             decode_interference=simulated(cal.decode_interference, args.interference),
             paced_cores=max(cal.by_threads) if cal.by_threads else None,
             step_noise=cal.step_noise if args.step_noise else (),
+            prefill_step_noise=cal.prefill_step_noise if args.step_noise else (),
         ),
         costs,
         Overheads(step_gap=cal.step_gap, dispatch=args.dispatch_ms / 1e3, handover=handover),
     )
-    outcome = Simulation(scenario, requests, load).run()
-    sim = simulated_record(outcome, scenario, load)
-    return {**measured, "fitted_steps": cal.fitted,
+    # With step noise a simulation is one draw of many: each metric is the median over
+    # --noise-runs of them (their first gives the pool shares).
+    runs = args.noise_runs if args.step_noise else 1
+    outcomes = [
+        Simulation(scenario, requests, load, noise_seed=seed).run() for seed in range(1, runs + 1)
+    ]
+    compared = [compare(real, simulated_record(o, scenario, load), args) for o in outcomes]
+    medians = {k: statistics.median(c[k] for c in compared) for k in compared[0]}
+    for metric in ("ttft_p50", "ttft_p99", "itl_p50", "itl_p99"):  # errors of the medians
+        r, m = medians[f"{metric}_real"], medians[f"{metric}_sim"]
+        medians[f"{metric}_err_pct"] = (m - r) / r * 100 if r else 0.0
+    medians["slo_diff_pts"] = (medians["slo_sim"] - medians["slo_real"]) * 100
+    outcome = outcomes[0]
+    return {**measured, "fitted_steps": cal.fitted, "noise_runs": runs,
             "fit_heldout_mae_pct": cal.model.stats.heldout_mae_pct,
             "step_gap_ms": cal.step_gap * 1e3,
             "prefill_interference": summary(cal.prefill_interference),
             "decode_interference": summary(cal.decode_interference),
             "step_noise": summary(cal.step_noise) if args.step_noise else None,
+            "prefill_step_noise": summary(cal.prefill_step_noise) if args.step_noise else None,
             "thread_models": {t: {"steps": m.stats.num_train + m.stats.num_heldout,
                                   "heldout_mae_pct": m.stats.heldout_mae_pct}
                               for t, m in cal.by_threads.items()},
             # decode steps started beside a prefill step; prefill steps, seconds
             **{f"{k}_real": v for k, v in pools.items()},
             **{f"{k}_sim": v for k, v in pools_sim(outcome).items()},
-            **compare(real, sim, args)}  # fmt: skip
+            **medians}  # fmt: skip
 
 
 def replay(args: argparse.Namespace) -> list[dict]:
@@ -593,6 +619,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=True,
         help="each simulated step draws one of the fitted steps' times over the model's (the "
         "spread a deterministic model lacks: the ITL tail); --no-step-noise: the model's time",
+    )
+    p.add_argument(
+        "--noise-runs",
+        type=int,
+        default=5,
+        help="with --step-noise: simulations per run (seeds 1..N); each metric is their median",
     )
     p.add_argument(
         "--interference",

@@ -110,15 +110,18 @@ class Simulation:
         load: LoadConfig | None = None,
         max_attempts: int = 4,
         leaping: bool = True,
+        noise_seed: int = 1,
     ) -> None:
+        """`noise_seed`: the draws of the measured step-time spread (Deployment.step_noise)."""
         self.scenario = scenario
         # off: every decode step through the scheduler (same outcome). Workers that share a
         # host step one at a time: how long a step takes depends on who else is stepping.
         dep = scenario.deployment
         # A leap prices its steps ahead without noise.
-        self.leaping = leaping and not dep.shares_host and not dep.step_noise
+        noisy = dep.step_noise or dep.prefill_step_noise
+        self.leaping = leaping and not dep.shares_host and not noisy
         self._draws = random.Random(0)  # measured interference factors: the same every run
-        self._noise = random.Random(1)  # measured step-time spread (Deployment.step_noise)
+        self._noise = random.Random(noise_seed)  # measured step-time spread
         self.load = load or LoadConfig()
         self.max_attempts = max_attempts
         self.now = 0.0
@@ -386,7 +389,7 @@ class Simulation:
         model = (
             self.scenario.costs.step if threads is None else self.scenario.costs.step_on(threads)
         )
-        noise = self._step_noise()
+        noise = self._step_noise(plan)
         seconds = self._step_seconds(worker, max(model.predict(plan.shape()), 1e-6) * noise)
         worker.step_ends_at = self.now + seconds
         landed = self._send_kv(worker, plan, seconds) if worker.pool == "prefill" else {}
@@ -402,9 +405,12 @@ class Simulation:
                 worker.paced = PacedStep(plan, threads, seconds, self.now, noise, list(landed))
             self._repace(worker)
 
-    def _step_noise(self) -> float:
-        """A step's draw of the measured spread around the model (Deployment.step_noise)."""
-        noise = self.scenario.deployment.step_noise
+    def _step_noise(self, plan: StepPlan) -> float:
+        """A step's draw of the measured spread around the model (Deployment.step_noise, or
+        prefill_step_noise for a step with prompt tokens)."""
+        dep = self.scenario.deployment
+        prompt = any(chunk.num_tokens > 1 for chunk in plan.chunks)
+        noise = dep.prefill_step_noise if prompt else dep.step_noise
         return self._noise.choice(noise) if noise else 1.0
 
     def _threads(self, worker: SimWorker) -> int | None:

@@ -64,9 +64,11 @@ class Deployment:
     # against the prefill steps' cost alone. 1: none.
     decode_interference: float | tuple[float, ...] = 1.0
     # Measured spread of step times around the model: real step time over the model's, of the
-    # steps the model was fitted on (benchmarks/simulator_fidelity.py). Each step draws one
-    # (seeded: the same draws every run). Empty: every step takes what the model says.
+    # decode steps (no prompt tokens) the model was fitted on (benchmarks/simulator_fidelity.py).
+    # Each such step draws one (seeded: the same draws every run). Empty: every step takes what
+    # the model says. `prefill_step_noise`: the same for steps with prompt tokens.
     step_noise: tuple[float, ...] = ()
+    prefill_step_noise: tuple[float, ...] = ()
 
     def __post_init__(self) -> None:
         if self.prefill_workers < 0 or self.decode_workers < 1:
@@ -83,7 +85,7 @@ class Deployment:
                     raise SimulationError("measured interference factors must be more than 0")
             elif factors < 1:
                 raise SimulationError("prefill_interference and decode_interference must be >= 1")
-        if self.step_noise and min(self.step_noise) <= 0:
+        if min(self.step_noise + self.prefill_step_noise, default=1) <= 0:
             raise SimulationError("step_noise factors must be more than 0")
         if self.routing not in POLICIES:
             raise SimulationError(f"routing must be one of {', '.join(POLICIES)}")

@@ -187,13 +187,26 @@ def test_a_paced_prefill_step_speeds_up_when_the_decode_worker_goes_idle():
 def test_steps_draw_the_measured_spread_around_the_model():
     requests = [SimRequest(0.0, prompt(32, 1 << 20), 4), SimRequest(0.0, prompt(32, 1 << 21), 4)]
     base = scenario(0, 1)
-    assert token_times(base, requests, step_noise=(2.0,)) == pytest.approx(
-        [0.020, 0.040, 0.060, 0.080] * 2  # every step twice the model's 10 ms
+    assert token_times(base, requests, step_noise=(2.0,), prefill_step_noise=(2.0,)) == (
+        pytest.approx([0.020, 0.040, 0.060, 0.080] * 2)  # every step twice the model's 10 ms
+    )
+    assert token_times(base, requests, prefill_step_noise=(3.0,)) == pytest.approx(
+        [0.030, 0.040, 0.050, 0.060] * 2  # only the step with prompt tokens draws it
     )
     spread = token_times(base, requests, step_noise=(0.5, 1.0, 3.0))
     gaps = {round(b - a, 6) for a, b in zip(spread[:3], spread[1:4], strict=True)}
     assert gaps <= {0.005, 0.010, 0.030} and len(gaps) > 1  # each step draws one
     assert token_times(base, requests, step_noise=(0.5, 1.0, 3.0)) == spread  # seeded
+    noisy = replace(base, deployment=replace(base.deployment, step_noise=(0.5, 1.0, 3.0)))
+    other_draws = [
+        [
+            t
+            for run in Simulation(noisy, requests, noise_seed=seed).run().runs
+            for t in run.token_times
+        ]
+        for seed in (2, 3, 4)
+    ]
+    assert any(times != spread for times in other_draws)  # another seed, other draws
     with pytest.raises(SimulationError, match="step_noise"):
         replace(base.deployment, step_noise=(0.0,))
 
