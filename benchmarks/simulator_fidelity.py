@@ -144,6 +144,25 @@ def beside(per_worker: dict[str, list[StepRecord]], pool: str, other: str) -> di
     return found
 
 
+def oversubscription(per_worker: dict[str, list[StepRecord]], cores: int) -> dict[int, float]:
+    """id(step) -> max(1, k / cores), k the workers in a step as it started (itself included):
+    workers pacing `cores` cores run one thread each at least, so more workers computing than
+    cores share them."""
+    spans = {
+        w: sorted((s.end - s.seconds, s.end) for s in steps) for w, steps in per_worker.items()
+    }
+    starts = {w: [a for a, _ in span] for w, span in spans.items()}
+    factors = {}
+    for worker, steps in per_worker.items():
+        for s in steps:
+            began, k = s.end - s.seconds, 1
+            for other, span in spans.items():
+                i = bisect.bisect_right(starts[other], began) - 1
+                k += other != worker and i >= 0 and span[i][1] > began
+            factors[id(s)] = max(1.0, k / cores)
+    return factors
+
+
 @dataclass(frozen=True)
 class Calibration:
     model: StepCostModel
@@ -192,7 +211,8 @@ def pools_real(
 
     decode, prefill = in_run("decode"), in_run("prefill")
     most = max((s.threads for s in decode), default=0)
-    over_model = [s.seconds / costs.step_on(s.threads).predict(s) for s in decode]
+    shared = oversubscription(per_worker, max(costs.by_threads, default=most) or 1)
+    over_model = [s.seconds / costs.step_on(s.threads).predict(s) / shared[id(s)] for s in decode]
     return {
         "decode_step_ms": 1e3 * statistics.mean(s.seconds for s in decode) if decode else None,
         # how far the real decode steps ran from the model the simulator gave them (median)
@@ -256,6 +276,10 @@ def calibrate(
     steps = [s for records in per_worker.values() for s in records]
     counts = sorted({s.threads for s in steps if s.threads})
     if by_threads and len(counts) > 1:
+        # Each step as if its threads had the cores to themselves (the simulator adds the
+        # oversubscription back: Simulation._oversubscribed).
+        shared = oversubscription(per_worker, max(counts))
+        steps = [s._replace(seconds=s.seconds / shared[id(s)]) for s in steps]
         models = {}
         for threads in counts:
             group = [s for s in steps if s.threads == threads]

@@ -390,7 +390,8 @@ class Simulation:
             self.scenario.costs.step if threads is None else self.scenario.costs.step_on(threads)
         )
         noise = self._step_noise(plan)
-        seconds = self._step_seconds(worker, max(model.predict(plan.shape()), 1e-6) * noise)
+        seconds = max(model.predict(plan.shape()), 1e-6) * noise
+        seconds = self._step_seconds(worker, seconds * self._oversubscribed(worker))
         worker.step_ends_at = self.now + seconds
         landed = self._send_kv(worker, plan, seconds) if worker.pool == "prefill" else {}
         worker.step_id += 1
@@ -413,6 +414,20 @@ class Simulation:
         noise = dep.prefill_step_noise if prompt else dep.step_noise
         return self._noise.choice(noise) if noise else 1.0
 
+    def _oversubscribed(self, worker: SimWorker) -> float:
+        """On workers that pace their cores: how much slower a step of `worker` runs now for
+        the threads in steps outnumbering the cores (k workers in a step, itself included,
+        each on at least one thread: k / cores when k is more). Else 1."""
+        cores = self.scenario.deployment.paced_cores
+        if cores is None:
+            return 1.0
+        k = 1 + sum(
+            1
+            for w in self.workers.values()
+            if w is not worker and w.alive and w.step_ends_at > self.now
+        )
+        return max(1.0, k / cores)
+
     def _threads(self, worker: SimWorker) -> int | None:
         """On workers that pace their cores (Deployment.paced_cores): the threads a step of
         `worker` gets now, its share of the cores among the workers with work. Else None."""
@@ -427,9 +442,10 @@ class Simulation:
         return max(1, cores // busy)
 
     def _repace(self, changed: SimWorker) -> None:
-        """`changed` started or stopped having work: every other paced step in progress runs
-        the rest of its way on its new share of the cores (workers re-pace between layers), its
-        end moved to match (a prefill step's KV, sent at its end without a transfer model, too)."""
+        """`changed` started or ended a step: every other paced step in progress runs the rest
+        of its way on its new share of the cores (workers re-pace between layers) and at the
+        new oversubscription, its end moved to match (a prefill step's KV, sent at its end
+        without a transfer model, too)."""
         for worker in self.workers.values():
             step = worker.paced
             if worker is changed or step is None or not worker.alive:
@@ -438,11 +454,15 @@ class Simulation:
                 worker.paced = None
                 continue
             threads = self._threads(worker)
-            if threads is None or threads == step.threads:
+            if threads is None:
                 continue
             model = self.scenario.costs.step_on(threads)
+            modelled = max(model.predict(step.plan.shape()), 1e-6) * step.noise
+            total = modelled * self._oversubscribed(worker)
+            if threads == step.threads and total == step.total:
+                continue
             step.done += (self.now - step.since) / step.total
-            step.total = max(model.predict(step.plan.shape()), 1e-6) * step.noise
+            step.total = total
             step.threads, step.since = threads, self.now
             ends = self.now + max(0.0, 1.0 - step.done) * step.total
             worker.step_ends_at = ends
@@ -526,8 +546,8 @@ class Simulation:
                 continue
             self._token(worker, run, seq, delivery)
         worker.stepping = False
-        if self.scenario.deployment.paced_cores is not None and not worker.scheduler.num_unfinished:
-            self._repace(worker)  # idle now: the others get its cores
+        if self.scenario.deployment.paced_cores is not None:
+            self._repace(worker)  # out of its step (idle, maybe): the others re-pace
         self._wake(worker)
 
     def _run_of(self, seq: EngineSequence) -> Run:

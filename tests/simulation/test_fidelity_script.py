@@ -97,3 +97,13 @@ def test_the_simulated_interference_is_the_median_the_mean_or_every_factor() -> 
     assert fidelity.simulated(measured, "draw") == measured
     assert fidelity.simulated((0.8, 0.9, 1.0), "median") == 1.0  # never faster than alone
     assert fidelity.simulated(1.0, "mean") == 1.0  # too few measured: none
+
+
+def test_steps_begun_with_more_workers_computing_than_cores_are_oversubscribed() -> None:
+    a, b, c = step(0.0, 1.0), step(0.5, 1.0), step(0.7, 0.1)
+    late = step(1.2, 0.1)  # a has ended, b goes on: two computing
+    per_worker = {"prefill-0": [a], "prefill-1": [b], "decode-0": [c, late]}
+    shared = fidelity.oversubscription(per_worker, 2)
+    # c begins with a and b in their steps: three workers on two cores
+    assert shared == {id(a): 1.0, id(b): 1.0, id(c): 1.5, id(late): 1.0}
+    assert fidelity.oversubscription(per_worker, 3)[id(c)] == 1.0

@@ -172,6 +172,18 @@ def test_workers_pacing_their_cores_step_on_their_share_of_them():
     assert token_times(base, requests, paced_cores=4)[3:] == pytest.approx([0.035, 0.045, 0.055])
 
 
+def test_more_paced_workers_computing_than_cores_share_them():
+    """Three workers pacing two cores, all computing: one thread each, three threads on two
+    cores, so every step takes 1.5 times the one-thread model (16 ms -> 24 ms)."""
+    requests = [SimRequest(0.0, prompt(32, base << 20), 3) for base in (1, 2, 3)]
+    costs = Costs(step_model(), by_threads={1: step_model(step=0.016), 2: step_model()})
+    times = token_times(scenario(0, 3, costs=costs), requests, paced_cores=2)
+    assert times == pytest.approx([0.024, 0.048, 0.072] * 3)
+    assert token_times(scenario(0, 3, costs=costs), requests, paced_cores=3) == pytest.approx(
+        [0.016, 0.032, 0.048] * 3  # a core each: the one-thread model as it is
+    )
+
+
 def test_a_paced_prefill_step_speeds_up_when_the_decode_worker_goes_idle():
     requests = [SimRequest(0.0, prompt(32, 1 << 20), 3), SimRequest(0.025, prompt(32, 1 << 21), 3)]
     costs = Costs(step_model(), by_threads={1: step_model(step=0.016), 2: step_model()})
