@@ -488,6 +488,8 @@ def simulate(
     layout, mix, rate = measured["layout"], measured["mix"], measured["rate"]
     prefill, decode = LAYOUTS[layout]
     alone = tuple(measured["alone"]) if measured.get("alone") else None
+    if args.fit_on == "run":  # the run's own steps: the simulator apart from the VM's drift
+        reply, alone = in_window(run_reply, *measured["window"]), None
     cal = calibrate(reply, f"{layout}-{mix}", args.fit_interference, alone, args.fit_threads)
     costs = Costs(cal.model, by_threads=cal.by_threads)
     pools = pools_real(steps_of(run_reply), *measured["window"], costs)
@@ -537,6 +539,16 @@ def simulate(
             **{f"{k}_real": v for k, v in pools.items()},
             **{f"{k}_sim": v for k, v in pools_sim(outcome).items()},
             **medians}  # fmt: skip
+
+
+def in_window(reply: dict, start: float, end: float) -> dict:
+    """A telemetry reply cut to the steps that ended in [start, end]."""
+    return {
+        "workers": {
+            worker: {"steps": [s for s in w.get("steps", []) if start <= s["end"] <= end]}
+            for worker, w in reply["workers"].items()
+        }
+    }
 
 
 def replay(args: argparse.Namespace) -> list[dict]:
@@ -643,6 +655,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=True,
         help="each simulated step draws one of the fitted steps' times over the model's (the "
         "spread a deterministic model lacks: the ITL tail); --no-step-noise: the model's time",
+    )
+    p.add_argument(
+        "--fit-on",
+        choices=("calibration", "run"),
+        default="calibration",
+        help="fit the step models on the calibration run before the loads (what a user has), or "
+        "on each load run's own steps (the simulator's error apart from the machine's drift "
+        "between runs: the report's real/model column)",
     )
     p.add_argument(
         "--noise-runs",
