@@ -493,6 +493,8 @@ class Simulation:
         worker.steps_beside += 1
         factors = dep.prefill_interference if other == "prefill" else dep.decode_interference
         factor = self._draws.choice(factors) if isinstance(factors, tuple) else factors
+        if factor == 1:
+            return seconds
         if worker.pool == "prefill":
             return seconds * factor
         return slowed(seconds, factor, max(w.step_ends_at for w in beside) - self.now)
@@ -666,12 +668,21 @@ class Simulation:
         if worker is None or not worker.alive:
             return
         self._settle(worker)
-        worker.leap = None
-        worker.alive, worker.stepping = False, False
-        worker.epoch += 1
+        self._void_steps(worker)
+        worker.alive = False
         self.router.mark_dead(worker_id)
         for run in list(self._holders[worker_id]):
             self._lose(run, worker_id)
+
+    def _void_steps(self, worker: SimWorker) -> None:
+        """The worker stops stepping for good (it dies, leaves, or changes pools): the events
+        of its steps in progress are void (a new epoch), and a paced step in progress is no
+        longer re-timed or counted as computing."""
+        worker.leap = None
+        worker.paced = None
+        worker.stepping = False
+        worker.step_ends_at = min(worker.step_ends_at, self.now)
+        worker.epoch += 1
 
     def _lose(self, run: Run, culprit: str, failed: bool = True) -> None:
         """Ends the attempt everywhere; the request goes on from the tokens it has. `failed`:
@@ -736,9 +747,8 @@ class Simulation:
             self._lose(run, worker_id, failed=False)
         self.router.remove(worker_id)
         self._settle(worker)
-        worker.leap = None
-        worker.alive, worker.stepping = False, False
-        worker.epoch += 1
+        self._void_steps(worker)
+        worker.alive = False
         worker.pool = pool
         self._joining[worker_id] = worker
         self.at(self.now + self.scenario.overheads.role_switch, self._join, worker)
@@ -756,8 +766,8 @@ class Simulation:
                 and worker.idle
                 and not self._holders[worker.worker_id]
             ):
+                self._void_steps(worker)
                 worker.alive, worker.draining = False, False
-                worker.epoch += 1
                 self.router.remove(worker.worker_id)
 
     def serving(self, pool: str) -> list[SimWorker]:

@@ -79,6 +79,10 @@ class Deployment:
             raise SimulationError("paced_cores must be at least 1")
         if self.paced_cores is not None and self.host_cores is not None:
             raise SimulationError("workers either pace their cores or share them, not both")
+        interference = (self.prefill_interference, self.decode_interference)
+        if self.paced_cores is not None and interference != (1.0, 1.0):
+            # pacing re-times steps in progress from the model; a slowdown factor would be lost
+            raise SimulationError("paced cores take no interference factors (their threads are it)")
         for factors in (self.prefill_interference, self.decode_interference):
             if isinstance(factors, tuple):
                 if not factors or min(factors) <= 0:

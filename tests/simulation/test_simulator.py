@@ -402,6 +402,32 @@ def test_a_role_switch_places_reserved_and_running_requests_again():
     assert_nothing_held(sim)
 
 
+def test_a_paced_step_in_progress_is_void_once_its_worker_switches_pools():
+    """A decode step in progress when its worker moves to the prefill pool is over for good:
+    the worker keeps no paced step from before the switch that another worker's re-pacing
+    could re-time (and so revive, with the new epoch, as a phantom step in the new pool)."""
+    load = LoadConfig(request_rate=30.0, seed=2)
+    requests = synthetic_requests(DatasetConfig(RandomSpec(400, 24), 60, seed=2), load)
+    costs = Costs(step_model(), by_threads={1: step_model(step=0.016), 2: step_model()})
+    base = scenario(1, 2, costs=costs, overheads=Overheads(role_switch=0.002))
+    paced = replace(base, deployment=replace(base.deployment, paced_cores=2))
+    sim = Simulation(paced, requests, load)
+    worker = sim.workers["decode-0"]
+    seen: dict[str, object] = {}
+
+    def switch() -> None:
+        seen["stepping"] = worker.paced is not None and worker.step_ends_at > sim.now
+        sim.switch_role("decode-0", "prefill")
+        seen["after"] = (worker.paced, worker.step_ends_at <= sim.now)
+
+    sim.at(0.605, switch)
+    outcome = sim.run()
+    assert seen["stepping"]  # the switch came mid-step
+    assert seen["after"] == (None, True)
+    assert all(r.error is None for r in outcome.runs)
+    assert_nothing_held(sim)
+
+
 def test_a_request_waiting_for_decode_blocks_is_not_routed_until_one_could_take_it():
     load = LoadConfig(request_rate=50.0, seed=5)
     requests = synthetic_requests(DatasetConfig(RandomSpec(400, 64), 20, seed=5), load)
