@@ -32,8 +32,14 @@ def pytest_runtest_logreport(report: pytest.TestReport) -> None:
             log.write(f"=== {report.nodeid} ({report.when})\n{report.longreprtext}\n\n")
 
 
-def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
-    session.config.stash[EXIT_STATUS] = int(exitstatus)
+@pytest.hookimpl(wrapper=True, tryfirst=True)
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int):  # noqa: ANN201
+    """Around every other plugin's session end (the terminal summary among them): the status
+    is kept only when all of them returned, so a hook that fails or calls pytest.exit keeps
+    pytest's own way out (and its exit status)."""
+    result = yield
+    session.config.stash[EXIT_STATUS] = int(session.exitstatus)
+    return result
 
 
 @pytest.hookimpl(trylast=True)
