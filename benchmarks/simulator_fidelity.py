@@ -211,8 +211,13 @@ def pools_real(
 
     decode, prefill = in_run("decode"), in_run("prefill")
     most = max((s.threads for s in decode), default=0)
-    shared = oversubscription(per_worker, max(costs.by_threads, default=most) or 1)
-    over_model = [s.seconds / costs.step_on(s.threads).predict(s) / shared[id(s)] for s in decode]
+    # Paced workers: each step against its thread count's model and the oversubscription the
+    # simulator adds; else against the one model as it is.
+    shared = oversubscription(per_worker, max(costs.by_threads)) if costs.by_threads else {}
+    over_model = [
+        s.seconds / max(costs.step_on(s.threads).predict(s), 1e-9) / shared.get(id(s), 1.0)
+        for s in decode
+    ]
     return {
         "decode_step_ms": 1e3 * statistics.mean(s.seconds for s in decode) if decode else None,
         # how far the real decode steps ran from the model the simulator gave them (median)
@@ -279,16 +284,16 @@ def calibrate(
         # Each step as if its threads had the cores to themselves (the simulator adds the
         # oversubscription back: Simulation._oversubscribed).
         shared = oversubscription(per_worker, max(counts))
-        steps = [s._replace(seconds=s.seconds / shared[id(s)]) for s in steps]
+        alone_steps = [s._replace(seconds=s.seconds / shared[id(s)]) for s in steps]
         models = {}
         for threads in counts:
-            group = [s for s in steps if s.threads == threads]
+            group = [s for s in alone_steps if s.threads == threads]
             if len(group) >= MIN_THREAD_STEPS:
                 train, heldout = split_every(group, 5)
                 info = ProfileInfo(model=f"{name}-{threads}t", source="telemetry")
                 models[threads] = fit(train, heldout, info)
         if models:
-            fitted = [s for s in steps if s.threads in models]
+            fitted = [s for s in alone_steps if s.threads in models]
             noise = spreads(fitted, lambda s: models[s.threads])
             return Calibration(models[max(models)], 1.0, 1.0, gap, len(fitted), models, *noise)
     if not interference or alone is None:
@@ -555,6 +560,8 @@ def replay(args: argparse.Namespace) -> list[dict]:
     """The simulations of an earlier run again, against its saved real runs (its --work-dir):
     simulator changes and flags compared on the same measurements, with no serving."""
     earlier = json.loads(args.replay.read_text())
+    if earlier["settings"].get("work_dir") in (None, "None"):
+        raise SystemExit(f"{args.replay} was run without --work-dir: no saved runs to replay")
     work = Path(earlier["settings"]["work_dir"])
     tokenizer = LocalTokenizer(args.model)
     rows = []
@@ -703,6 +710,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.noise_runs < 1:
+        raise SystemExit("--noise-runs must be at least 1")
     if args.model is None:
         from engine.fetch import fetch_default_model
 
