@@ -412,13 +412,17 @@ def attainment(record: dict, ttft_ms: float, tpot_ms: float) -> float:
     return good / max(len(record["ttfts"]), 1)
 
 
+def error_pct(real: float, sim: float) -> float:
+    return (sim - real) / real * 100 if real else 0.0
+
+
 def compare(real: dict, sim: dict, args: argparse.Namespace) -> dict:
     row: dict[str, float] = {}
     for metric in ("ttft", "itl"):
         for pct, key in (("p50", f"median_{metric}_ms"), ("p99", f"p99_{metric}_ms")):
             r, s = real[key], sim[key]
             row[f"{metric}_{pct}_real"], row[f"{metric}_{pct}_sim"] = r, s
-            row[f"{metric}_{pct}_err_pct"] = (s - r) / r * 100 if r else 0.0
+            row[f"{metric}_{pct}_err_pct"] = error_pct(r, s)
     row["slo_real"] = attainment(real, args.slo_ttft_ms, args.slo_tpot_ms)
     row["slo_sim"] = attainment(sim, args.slo_ttft_ms, args.slo_tpot_ms)
     row["slo_diff_pts"] = (row["slo_sim"] - row["slo_real"]) * 100
@@ -525,9 +529,10 @@ def simulate(
     ]
     compared = [compare(real, simulated_record(o, scenario, load), args) for o in outcomes]
     medians = {k: statistics.median(c[k] for c in compared) for k in compared[0]}
-    for metric in ("ttft_p50", "ttft_p99", "itl_p50", "itl_p99"):  # errors of the medians
-        r, m = medians[f"{metric}_real"], medians[f"{metric}_sim"]
-        medians[f"{metric}_err_pct"] = (m - r) / r * 100 if r else 0.0
+    for metric in TARGETS:  # errors of the medians
+        medians[f"{metric}_err_pct"] = error_pct(
+            medians[f"{metric}_real"], medians[f"{metric}_sim"]
+        )
     medians["slo_diff_pts"] = (medians["slo_sim"] - medians["slo_real"]) * 100
     outcome = outcomes[0]
     return {**measured, "fitted_steps": cal.fitted, "noise_runs": runs,

@@ -33,7 +33,6 @@ from decode.publisher import UpdatePublisher
 from engine.block_manager import slots_of
 from engine.engine import LLMEngine
 from engine.engine_thread import EngineThread
-from engine.scheduler import StepPlan
 from kvtransfer.receiver import Arrived, KVReceiver, Leg, ReceiveEvent, TransferFailed
 from kvtransfer.transport import Rendezvous, Transport
 from protocol.kv import Endpoint, Ticket
@@ -90,7 +89,11 @@ class DecodeWorker:
         self.transfers = TransferCounters(transport.name)
         self.prefilled_locally = 0
         self.publisher: UpdatePublisher | None = None
-        self._pace = pace
+        # A decode step that began on every core while the prefill worker idled would keep them
+        # all to its end, and a prefill step starting beside it puts three threads on two
+        # cores: every parallel region then waits for a preempted thread (measured: such
+        # decode steps took twice their time, and made the ITL tail). So it re-paces per layer.
+        self._on_layer = None if pace is None else lambda plan, layer: pace(True)
         self.thread = EngineThread(
             f"decode-{worker_id}",
             self._step,
@@ -257,14 +260,7 @@ class DecodeWorker:
         self._publish([self.engine.admit(event.request_id, first.token_id, _logprobs(first))])
 
     def _step(self) -> None:
-        self._publish(self.engine.step(self._repace if self._pace is not None else None))
-
-    def _repace(self, plan: StepPlan, layer: int) -> None:
-        # A decode step that began on every core while the prefill worker idled keeps them all
-        # to its end otherwise, and a prefill step starting beside it puts three threads on two
-        # cores: every parallel region then waits for a preempted thread (measured: such decode
-        # steps took twice their time, and made the ITL tail).
-        self._pace(True)  # type: ignore[misc]
+        self._publish(self.engine.step(self._on_layer))
 
     def _expire_leases(self) -> None:
         now = time.monotonic()

@@ -74,9 +74,10 @@ class CoreLedger:
         fcntl.flock(self._fd, fcntl.LOCK_EX)  # claims are rare; marks never lock
         try:
             holders = [abs(held) for held in self._slots.tolist()]
-            free = [i for i, held in enumerate(holders) if held in (0, pid) or not _alive(held)]
-            mine = holders.index(pid) if pid in holders else None
-            slot = mine if mine is not None else (free[0] if free else None)
+            if pid in holders:
+                slot: int | None = holders.index(pid)
+            else:  # liveness checked lazily: a syscall per held slot passed over
+                slot = next((i for i, h in enumerate(holders) if not h or not _alive(h)), None)
             if slot is not None:
                 self._slots[slot] = -pid
         finally:

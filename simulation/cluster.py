@@ -386,12 +386,8 @@ class Simulation:
             worker.stepping = False
             return
         threads = self._threads(worker)
-        model = (
-            self.scenario.costs.step if threads is None else self.scenario.costs.step_on(threads)
-        )
         noise = self._step_noise(plan)
-        seconds = max(model.predict(plan.shape()), 1e-6) * noise
-        seconds = self._step_seconds(worker, seconds * self._oversubscribed(worker))
+        seconds = self._step_seconds(worker, self._modelled(worker, plan, threads, noise))
         worker.step_ends_at = self.now + seconds
         landed = self._send_kv(worker, plan, seconds) if worker.pool == "prefill" else {}
         worker.step_id += 1
@@ -405,6 +401,16 @@ class Simulation:
                 # A prefill step whose KV sends are timed per layer on the link keeps its pace.
                 worker.paced = PacedStep(plan, threads, seconds, self.now, noise, list(landed))
             self._repace(worker)
+
+    def _modelled(
+        self, worker: SimWorker, plan: StepPlan, threads: int | None, noise: float
+    ) -> float:
+        """Seconds a step of `plan` takes on `worker` starting now, before interference: the
+        model's (the one for `threads` on paced cores), times its noise draw and the
+        oversubscription of paced cores."""
+        costs = self.scenario.costs
+        model = costs.step if threads is None else costs.step_on(threads)
+        return max(model.predict(plan.shape()), 1e-6) * noise * self._oversubscribed(worker)
 
     def _step_noise(self, plan: StepPlan) -> float:
         """A step's draw of the measured spread around the model (Deployment.step_noise, or
@@ -453,12 +459,8 @@ class Simulation:
             if worker.step_ends_at <= self.now:
                 worker.paced = None
                 continue
-            threads = self._threads(worker)
-            if threads is None:
-                continue
-            model = self.scenario.costs.step_on(threads)
-            modelled = max(model.predict(step.plan.shape()), 1e-6) * step.noise
-            total = modelled * self._oversubscribed(worker)
+            threads = self._threads(worker)  # paced steps exist only on paced cores
+            total = self._modelled(worker, step.plan, threads, step.noise)
             if threads == step.threads and total == step.total:
                 continue
             step.done += (self.now - step.since) / step.total

@@ -71,7 +71,7 @@ class SimWorker:
     num_steps: int = 0
     steps_beside: int = 0  # of them, started while the other pool was in a step (shared host)
     threads_used: dict[int, int] = field(default_factory=dict)  # paced cores: threads -> steps
-    # paced cores: the decode step in progress, re-timed when its share of the cores changes
+    # paced cores: the step in progress, re-timed when its share of the cores changes
     paced: PacedStep | None = None
     step_id: int = 0  # bumped when the step's end is re-timed: the older end event is void
 
