@@ -154,6 +154,7 @@ CONNECT_TIMEOUT_S = 10.0
 METRICS_TIMEOUT_S = 10.0
 LOCAL_HOSTS = ("127.0.0.1", "localhost")
 LATENCY_KEYS = ("ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms")
+MEDIAN_KEYS = (*LATENCY_KEYS, "joined")
 QUICK = {"models": ["overhead"], "concurrency": [16], "rounds": 1, "num_prompts": 16}
 
 
@@ -239,6 +240,7 @@ class Round:
     ttft_p99_ms: float
     itl_p50_ms: float
     itl_p99_ms: float
+    joined: float  # share of the output tokens that arrived in a chunk with others (bursts)
     output_tokens: int
     completed: int
     failed: int
@@ -289,6 +291,7 @@ def round_of(
         ttft_p99_ms=m.ttft.percentiles[99.0],
         itl_p50_ms=m.itl.percentiles[50.0],
         itl_p99_ms=m.itl.percentiles[99.0],
+        joined=joined_share(results),
         output_tokens=m.total_output,
         completed=m.completed,
         failed=m.failed,
@@ -313,6 +316,16 @@ async def measure_all(
         c: await measure(endpoint, workload.for_concurrency(c), c, workload.counter)
         for c in concurrencies
     }
+
+
+def joined_share(results: Sequence[RequestResult]) -> float:
+    """The share of successful requests' output tokens that arrived sharing a text chunk: 0 when
+    every token came alone, 0.5 when they came in pairs. A server that falls behind joins tokens
+    (tandem's `read_stream` does), so throughput alone would hide the bursts."""
+    done = [r for r in results if r.success and r.output_tokens and r.ttft is not None]
+    tokens = sum(r.output_tokens or 0 for r in done)
+    chunks = sum(min(len(r.itl) + 1, r.output_tokens or 0) for r in done)
+    return 1.0 - chunks / tokens if tokens else 0.0
 
 
 def with_output_tokens(result: RequestResult, counter: TokenCounter) -> RequestResult:
@@ -699,7 +712,7 @@ def progress(r: Round) -> str:
     failed = f", {r.failed} failed (first: {r.first_error})" if r.failed else ""
     return (
         f"{r.output_tok_s:.1f} tok/s, TTFT p50 {r.ttft_p50_ms:.0f} ms, ITL p50 "
-        f"{r.itl_p50_ms:.1f} ms, busy {format_busy(r.busy)}{failed}"
+        f"{r.itl_p50_ms:.1f} ms, joined {r.joined:.0%}, busy {format_busy(r.busy)}{failed}"
     )
 
 
@@ -718,7 +731,7 @@ def summarize(rounds: Sequence[Round], inprocess: Sequence[Round] | None) -> dic
         "output_tok_s_min": min(tok_s),
         "output_tok_s_max": max(tok_s),
         "vs_inprocess": statistics.median(tok_s) / base if base else None,
-        **{key: statistics.median(getattr(r, key) for r in rounds) for key in LATENCY_KEYS},
+        **{key: statistics.median(getattr(r, key) for r in rounds) for key in MEDIAN_KEYS},
         "busy": busy or None,
         "failed": sum(r.failed for r in rounds),
     }
@@ -732,7 +745,7 @@ def summaries(results: Results) -> dict[Key, dict]:
 
 
 HEADINGS = ("model", "conc", "target", "out tok/s", "min-max", "vs in-proc", "TTFT p50", "p99",
-            "ITL p50", "p99", "busy", "failed")  # fmt: skip
+            "ITL p50", "p99", "joined", "busy", "failed")  # fmt: skip
 
 
 def format_busy(busy: dict[str, float] | None) -> str:
@@ -754,6 +767,7 @@ def table_row(key: Key, s: dict) -> list[str]:
         spread,
         ratio,
         *latencies,
+        f"{s['joined']:.0%}",
         busy,
         str(s["failed"]),
     ]
@@ -764,8 +778,12 @@ def format_table(rows: dict[Key, dict], order: Sequence[str]) -> str:
     table = [list(HEADINGS), *(table_row(key, rows[key]) for key in keys)]
     widths = [max(len(cell) for cell in column) for column in zip(*table, strict=True)]
     lines = [" | ".join(c.rjust(w) for c, w in zip(r, widths, strict=True)) for r in table]
-    legend = "tok/s: median over rounds (min-max); latencies in ms, medians of each round's"
-    return "\n".join([*lines, legend + " percentile; busy: engine time in step() / wall time"])
+    legend = (
+        "tok/s: median over rounds (min-max); latencies in ms, medians of each round's "
+        "percentile; joined: share of the tokens that arrived with others in one chunk; "
+        "busy: engine time in step() / wall time"
+    )
+    return "\n".join([*lines, legend])
 
 
 def report_json(results: Results, rows: dict[Key, dict], settings: dict) -> dict:

@@ -34,7 +34,7 @@ tandem:kv_cache_usage_perc{model="m",pool="decode",worker="decode-0"} 0.25
 
 
 def make_round(tok_s: float, busy: dict[str, float] | None = None, failed: int = 0):
-    return serving.Round(tok_s, 100.0, 200.0, 10.0, 20.0, 64, 8, failed, 1.0, busy, None)
+    return serving.Round(tok_s, 100.0, 200.0, 10.0, 20.0, 0.25, 64, 8, failed, 1.0, busy, None)
 
 
 def test_busy_seconds_reads_the_counter_of_every_worker() -> None:
@@ -68,6 +68,16 @@ def test_drive_keeps_concurrency_streams_busy_until_every_sample_is_sent() -> No
     assert order == [s.prompt for s in samples]  # sent in order, each once
     _, _ = asyncio.run(serving.drive(send, samples[:2], concurrency=5))
     assert peak == 3  # never more streams than samples
+
+
+def test_joined_share_counts_the_tokens_that_came_in_a_chunk_with_others() -> None:
+    alone = RequestResult(1, 0.0, 0.01, (0.01,) * 7, 0.08, 8, "t" * 8, None)  # 8 chunks
+    pairs = RequestResult(1, 0.0, 0.01, (0.02,) * 3, 0.07, 8, "t" * 8, None)  # 4 chunks
+    failed = RequestResult(1, 0.0, None, (), None, None, "", "timed out")
+    assert serving.joined_share([alone]) == 0.0
+    assert serving.joined_share([pairs]) == 0.5
+    assert serving.joined_share([alone, pairs, failed]) == pytest.approx(4 / 16)
+    assert serving.joined_share([failed]) == 0.0
 
 
 def test_summary_takes_medians_over_rounds_and_the_ratio_to_in_process() -> None:
