@@ -21,6 +21,10 @@ Per layout, one `tandem serve` process:
      the end of a prefill step to the first token leaving the coordinator: the KV's last
      layers, the result's way back, the dispatch) becomes the simulated handover
      (`--no-handover`: 0);
+     Then as many prompts again with Poisson arrivals at --calibration-open-loop of that
+     capacity (0.9): a closed loop runs in waves whose prompts prefill while nothing decodes,
+     where the loads' arrivals prefill beside decode steps, and a worker pacing its cores runs
+     those on fewer threads; the models are fitted on both runs' steps;
   2. per mix and load: `tandem bench` with Poisson arrivals at that fraction of capacity, and the
      simulator on the very same prompts and arrival times (same dataset flags, tokenizer, seed).
 Reported: TTFT and ITL p50/p99 real vs simulated and their errors, and SLO attainment (share of
@@ -456,6 +460,14 @@ def run_layout(model: Path, layout: str, args: argparse.Namespace, work: Path) -
             ])  # fmt: skip
             capacity = calib["request_throughput"]
             handover = bucket_median(handover_before, handover_buckets(server.url))
+            open_loop = None
+            if args.calibration_open_loop > 0:  # prompts arriving while others decode
+                started = time.time()
+                bench(server.url, model, flags, work / f"{layout}-{mix}-open.json", [
+                    "--num-prompts", str(args.calibration_prompts), "--seed", "97",
+                    "--request-rate", str(round(args.calibration_open_loop * capacity, 3)),
+                ])  # fmt: skip
+                open_loop = (started, time.time())
             reply = telemetry(server.url)
             (work / f"{layout}-{mix}-telemetry.json").write_text(json.dumps(reply))
             for fraction in args.loads:
@@ -474,7 +486,7 @@ def run_layout(model: Path, layout: str, args: argparse.Namespace, work: Path) -
                 measured = {
                     "layout": layout, "mix": mix, "load": fraction, "rate": rate, "count": count,
                     "capacity_req_s": capacity, "handover_ms": handover * 1e3, "alone": alone,
-                    "window": window,
+                    "open_loop": open_loop, "window": window,
                 }  # fmt: skip
                 row = simulate(measured, reply, run_reply, real, tokenizer, args)
                 rows.append(row)
@@ -496,10 +508,8 @@ def simulate(
     `run_reply`: after the run; `real`: the run's bench record."""
     layout, mix, rate = measured["layout"], measured["mix"], measured["rate"]
     prefill, decode = LAYOUTS[layout]
-    alone = tuple(measured["alone"]) if measured.get("alone") else None
-    if args.fit_on == "run":  # the run's own steps: the simulator apart from the VM's drift
-        reply, alone = in_window(run_reply, *measured["window"]), None
-    cal = calibrate(reply, f"{layout}-{mix}", args.fit_interference, alone, args.fit_threads)
+    fit_reply, alone = fitted_steps(measured, reply, run_reply, args.fit_on, args.fit_open_loop)
+    cal = calibrate(fit_reply, f"{layout}-{mix}", args.fit_interference, alone, args.fit_threads)
     costs = Costs(cal.model, by_threads=cal.by_threads)
     pools = pools_real(steps_of(run_reply), *measured["window"], costs)
     load = LoadConfig(request_rate=rate, seed=args.seed)
@@ -549,6 +559,21 @@ def simulate(
             **{f"{k}_real": v for k, v in pools.items()},
             **{f"{k}_sim": v for k, v in pools_sim(outcome).items()},
             **medians}  # fmt: skip
+
+
+def fitted_steps(
+    measured: dict, reply: dict, run_reply: dict, fit_on: str, open_loop: bool
+) -> tuple[dict, tuple[float, float] | None]:
+    """The telemetry the step models are fitted on, and the `alone` window in it: the
+    calibration's (`reply`), without its open-loop part unless `open_loop`; or with `fit_on`
+    "run", the run's own steps (`run_reply` in the run's window: the simulator apart from the
+    VM's drift), and no `alone` window."""
+    if fit_on == "run":
+        return in_window(run_reply, *measured["window"]), None
+    alone = tuple(measured["alone"]) if measured.get("alone") else None
+    if not open_loop and measured.get("open_loop"):
+        return in_window(reply, 0.0, measured["open_loop"][0]), alone  # the closed loop's
+    return reply, alone
 
 
 def in_window(reply: dict, start: float, end: float) -> dict:
@@ -641,6 +666,23 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--loads", nargs="+", type=float, default=[0.3, 0.6, 0.9])
     p.add_argument("--duration", type=float, default=30.0, help="seconds of arrivals per load")
     p.add_argument("--calibration-prompts", type=int, default=48)
+    p.add_argument(
+        "--calibration-open-loop",
+        type=float,
+        default=0.9,
+        metavar="FRACTION",
+        help="after the closed-loop calibration, send as many prompts again with Poisson arrivals "
+        "at this fraction of the capacity it measured, and fit on both: waves of a closed loop "
+        "prefill while nothing decodes, arrivals spread out prefill beside decode steps, as the "
+        "loads do (0: off)",
+    )
+    p.add_argument(
+        "--fit-open-loop",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="fit on the open-loop calibration's steps too (--no-fit-open-loop with --replay: "
+        "the closed-loop calibration alone, on the same real runs)",
+    )
     p.add_argument("--num-kv-blocks", type=int, default=2912, help="what 1 GiB holds of SmolLM2")
     p.add_argument("--dispatch-ms", type=float, default=2.0, help="HTTP + tokenize + route")
     p.add_argument("--slo-ttft-ms", type=float, default=500.0)

@@ -107,3 +107,23 @@ def test_steps_begun_with_more_workers_computing_than_cores_are_oversubscribed()
     # c begins with a and b in their steps: three workers on two cores
     assert shared == {id(a): 1.0, id(b): 1.0, id(c): 1.5, id(late): 1.0}
     assert fidelity.oversubscription(per_worker, 3)[id(c)] == 1.0
+
+
+def test_the_fit_takes_the_calibration_with_or_without_its_open_loop_part_or_the_run() -> None:
+    def reply(*ends: float) -> dict:
+        return {"workers": {"decode-0": {"steps": [{"end": e} for e in ends]}}}
+
+    def ends(fitted: dict) -> list[float]:
+        return [s["end"] for s in fitted["workers"]["decode-0"]["steps"]]
+
+    calibration, run = reply(1.0, 2.0, 5.0, 6.0), reply(10.0, 11.0, 30.0)
+    measured = {"alone": [0.5, 1.5], "open_loop": (4.0, 7.0), "window": (9.0, 20.0)}
+    fitted, alone = fidelity.fitted_steps(measured, calibration, run, "calibration", True)
+    assert ends(fitted) == [1.0, 2.0, 5.0, 6.0] and alone == (0.5, 1.5)
+    fitted, alone = fidelity.fitted_steps(measured, calibration, run, "calibration", False)
+    assert ends(fitted) == [1.0, 2.0] and alone == (0.5, 1.5)  # before the open loop began
+    fitted, alone = fidelity.fitted_steps(measured, calibration, run, "run", True)
+    assert ends(fitted) == [10.0, 11.0] and alone is None
+    older = {"alone": None, "window": (9.0, 20.0)}  # a report from before the open loop
+    fitted, alone = fidelity.fitted_steps(older, calibration, run, "calibration", False)
+    assert ends(fitted) == [1.0, 2.0, 5.0, 6.0] and alone is None
