@@ -149,9 +149,11 @@ def beside(per_worker: dict[str, list[StepRecord]], pool: str, other: str) -> di
 
 
 def oversubscription(per_worker: dict[str, list[StepRecord]], cores: int) -> dict[int, float]:
-    """id(step) -> max(1, k / cores), k the workers in a step as it started (itself included):
-    workers pacing `cores` cores run one thread each at least, so more workers computing than
-    cores share them."""
+    """id(step) -> how much slower than on cores of its own it ran for more workers computing
+    than cores (workers pacing `cores` cores run one thread each at least, so k > cores workers
+    in a step share them: each runs at cores / k). Over the step's span, as the simulator times
+    it (Simulation._repace re-times a step whenever another starts or ends): its seconds over
+    the work done, the integral of min(1, cores / k(t))."""
     spans = {
         w: sorted((s.end - s.seconds, s.end) for s in steps) for w, steps in per_worker.items()
     }
@@ -159,11 +161,24 @@ def oversubscription(per_worker: dict[str, list[StepRecord]], cores: int) -> dic
     factors = {}
     for worker, steps in per_worker.items():
         for s in steps:
-            began, k = s.end - s.seconds, 1
+            began, ended = s.end - s.seconds, s.end
+            if ended <= began:
+                factors[id(s)] = 1.0
+                continue
+            changes = []  # (time, +1 / -1): another worker's step starts / ends within this one
             for other, span in spans.items():
-                i = bisect.bisect_right(starts[other], began) - 1
-                k += other != worker and i >= 0 and span[i][1] > began
-            factors[id(s)] = max(1.0, k / cores)
+                if other == worker:
+                    continue
+                i = bisect.bisect_left(starts[other], ended) - 1
+                while i >= 0 and span[i][1] > began:
+                    changes += [(max(span[i][0], began), 1), (min(span[i][1], ended), -1)]
+                    i -= 1
+            work, k, at = 0.0, 1, began
+            for t, step_change in sorted(changes, key=lambda c: (c[0], -c[1])):
+                work += (t - at) * min(1.0, cores / k)
+                k, at = k + step_change, t
+            work += (ended - at) * min(1.0, cores / k)
+            factors[id(s)] = s.seconds / work
     return factors
 
 
