@@ -85,6 +85,7 @@ MIXES = {  # name: (dataset flags, spec)
 CALIBRATION_CONCURRENCY = 16
 MIN_BESIDE = 5  # decode steps beside a prefill step needed to measure their slowdown
 MIN_THREAD_STEPS = 20  # steps on one thread count needed to fit a model of its own
+MIN_THREAD_NOISE = 20  # steps of one kind on one thread count needed to draw from their spread
 MAX_STEP_GAP_S = 0.05  # longer pauses between steps are idle time, not per-step host work
 POOL_STATS = (
     "decode_beside",
@@ -199,6 +200,11 @@ class Calibration:
     # apart: the spread the simulator draws from
     step_noise: tuple[float, ...] = ()
     prefill_step_noise: tuple[float, ...] = ()
+    # the same per thread count, of the counts with MIN_THREAD_NOISE steps of a kind (else
+    # that kind's spread is empty: the pooled one is drawn)
+    thread_noise: dict[int, tuple[tuple[float, ...], tuple[float, ...]]] = field(
+        default_factory=dict
+    )
 
 
 def telemetry(url: str) -> dict:
@@ -314,7 +320,13 @@ def calibrate(
         if models:
             fitted = [s for s in alone_steps if s.threads in models]
             noise = spreads(fitted, lambda s: models[s.threads])
-            return Calibration(models[max(models)], 1.0, 1.0, gap, len(fitted), models, *noise)
+            by_count = {}
+            for threads, model in models.items():
+                kinds = spreads([s for s in fitted if s.threads == threads], model)
+                by_count[threads] = tuple(k if len(k) >= MIN_THREAD_NOISE else () for k in kinds)
+            return Calibration(
+                models[max(models)], 1.0, 1.0, gap, len(fitted), models, *noise, by_count
+            )
     if not interference or alone is None:
         train, heldout = split_every(steps, 5)
         model = fit(train, heldout, ProfileInfo(model=name, source="telemetry"))
@@ -542,6 +554,7 @@ def simulate(
             paced_cores=max(cal.by_threads) if cal.by_threads else None,
             step_noise=cal.step_noise if args.step_noise else (),
             prefill_step_noise=cal.prefill_step_noise if args.step_noise else (),
+            thread_noise=cal.thread_noise if args.step_noise and args.noise_by_threads else {},
         ),
         costs,
         Overheads(step_gap=cal.step_gap, dispatch=args.dispatch_ms / 1e3, handover=handover),
@@ -724,6 +737,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=True,
         help="each simulated step draws one of the fitted steps' times over the model's (the "
         "spread a deterministic model lacks: the ITL tail); --no-step-noise: the model's time",
+    )
+    p.add_argument(
+        "--noise-by-threads",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="with --step-noise on paced workers: each step draws from the spread measured on "
+        "its thread count (a kind with fewer than 20 such steps: from all of its kind)",
     )
     p.add_argument(
         "--fit-on",

@@ -118,7 +118,7 @@ class Simulation:
         # host step one at a time: how long a step takes depends on who else is stepping.
         dep = scenario.deployment
         # A leap prices its steps ahead without noise.
-        noisy = dep.step_noise or dep.prefill_step_noise
+        noisy = dep.step_noise or dep.prefill_step_noise or dep.thread_noise
         self.leaping = leaping and not dep.shares_host and not noisy
         self._draws = random.Random(0)  # measured interference factors: the same every run
         self._noise = random.Random(noise_seed)  # measured step-time spread
@@ -386,7 +386,7 @@ class Simulation:
             worker.stepping = False
             return
         threads = self._threads(worker)
-        noise = self._step_noise(plan)
+        noise = self._step_noise(plan, threads)
         seconds = self._step_seconds(worker, self._modelled(worker, plan, threads, noise))
         worker.step_ends_at = self.now + seconds
         landed = self._send_kv(worker, plan, seconds) if worker.pool == "prefill" else {}
@@ -412,12 +412,16 @@ class Simulation:
         model = costs.step if threads is None else costs.step_on(threads)
         return max(model.predict(plan.shape()), 1e-6) * noise * self._oversubscribed(worker)
 
-    def _step_noise(self, plan: StepPlan) -> float:
+    def _step_noise(self, plan: StepPlan, threads: int | None) -> float:
         """A step's draw of the measured spread around the model (Deployment.step_noise, or
-        prefill_step_noise for a step with prompt tokens)."""
+        prefill_step_noise for a step with prompt tokens; on paced cores, the spread measured
+        on `threads` threads when there is one: Deployment.thread_noise)."""
         dep = self.scenario.deployment
         prompt = any(chunk.num_tokens > 1 for chunk in plan.chunks)
         noise = dep.prefill_step_noise if prompt else dep.step_noise
+        if threads is not None and threads in dep.thread_noise:
+            decodes, prompts = dep.thread_noise[threads]
+            noise = (prompts if prompt else decodes) or noise
         return self._noise.choice(noise) if noise else 1.0
 
     def _oversubscribed(self, worker: SimWorker) -> float:

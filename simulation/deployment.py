@@ -69,6 +69,13 @@ class Deployment:
     # the model says. `prefill_step_noise`: the same for steps with prompt tokens.
     step_noise: tuple[float, ...] = ()
     prefill_step_noise: tuple[float, ...] = ()
+    # On paced cores, the same per thread count: threads -> (decode steps' spread, prompt
+    # steps' spread), measured on the steps that ran on that many (a two-thread team on two
+    # shared cores has a longer tail than one thread). A step on a count not here, or whose
+    # kind's spread is empty, draws from the two above.
+    thread_noise: Mapping[int, tuple[tuple[float, ...], tuple[float, ...]]] = field(
+        default_factory=dict
+    )
 
     def __post_init__(self) -> None:
         if self.prefill_workers < 0 or self.decode_workers < 1:
@@ -89,7 +96,8 @@ class Deployment:
                     raise SimulationError("measured interference factors must be more than 0")
             elif factors < 1:
                 raise SimulationError("prefill_interference and decode_interference must be >= 1")
-        if min(self.step_noise + self.prefill_step_noise, default=1) <= 0:
+        measured = [f for pair in self.thread_noise.values() for kind in pair for f in kind]
+        if min([*self.step_noise, *self.prefill_step_noise, *measured], default=1) <= 0:
             raise SimulationError("step_noise factors must be more than 0")
         if self.routing not in POLICIES:
             raise SimulationError(f"routing must be one of {', '.join(POLICIES)}")

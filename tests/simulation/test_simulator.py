@@ -223,6 +223,28 @@ def test_steps_draw_the_measured_spread_around_the_model():
         replace(base.deployment, step_noise=(0.0,))
 
 
+def test_paced_steps_draw_the_spread_measured_on_their_thread_count():
+    """Three workers pacing two cores step on one thread each (1.5x the one-thread model's 16
+    ms); a step draws the spread of its thread count and kind, else the pooled one."""
+    requests = [SimRequest(0.0, prompt(32, base << 20), 3) for base in (1, 2, 3)]
+    costs = Costs(step_model(), by_threads={1: step_model(step=0.016), 2: step_model()})
+    base = scenario(0, 3, costs=costs)
+    one_thread = {1: ((2.0,), ())}  # decode steps on one thread: twice the model
+    assert token_times(base, requests, paced_cores=2, thread_noise=one_thread) == pytest.approx(
+        [0.024, 0.072, 0.120] * 3  # the prompt step has no spread of its own: none drawn
+    )
+    pooled = {"prefill_step_noise": (3.0,), "step_noise": (5.0,)}
+    assert token_times(
+        base, requests, paced_cores=2, thread_noise=one_thread, **pooled
+    ) == pytest.approx([0.072, 0.120, 0.168] * 3)  # the prompt step falls back to the pooled
+    two_threads = {2: ((2.0,), (2.0,))}  # no step runs on two threads
+    assert token_times(base, requests, paced_cores=2, thread_noise=two_threads) == pytest.approx(
+        [0.024, 0.048, 0.072] * 3
+    )
+    with pytest.raises(SimulationError, match="step_noise"):
+        replace(base.deployment, thread_noise={1: ((0.0,), ())})
+
+
 def test_costs_take_the_model_fitted_on_the_most_threads_up_to_the_count():
     one, two = step_model(step=0.02), step_model(step=0.01)
     costs = Costs(step_model(step=0.05), by_threads={1: one, 2: two})
