@@ -130,3 +130,33 @@ def test_the_fit_takes_the_calibration_with_or_without_its_open_loop_part_or_the
     older = {"alone": None, "window": (9.0, 20.0)}  # a report from before the open loop
     fitted, alone = fidelity.fitted_steps(older, calibration, run, "calibration", False)
     assert ends(fitted) == [1.0, 2.0, 5.0, 6.0] and alone is None
+
+
+def test_paced_calibrations_keep_each_thread_counts_spread_where_it_has_enough_steps() -> None:
+    """One worker's steps on one and on two threads, never two at once (so nothing is
+    oversubscribed): a model per count, and the spread of each count's decode steps; the
+    three prompt steps on two threads are too few for a spread of their own."""
+    steps, t = [], 0.0
+    for i in range(60):
+        threads = 1 + i % 2
+        seqs = 1 + i % 7
+        wobble = (1.0, 1.2, 0.9)[i % 3] if threads == 2 else 1.0
+        seconds = (0.01 + 0.002 * seqs) * (2 if threads == 1 else 1) * wobble
+        steps.append({"end": t + seconds, "seconds": seconds, "prefill_tokens": 0,
+                      "prefill_attention": 0, "decode_seqs": seqs, "decode_context": 50 * seqs,
+                      "kv_blocks_used": 1, "queue_length": 0, "threads": threads})  # fmt: skip
+        t += seconds + 0.001
+    for _ in range(3):
+        steps.append({"end": t + 0.2, "seconds": 0.2, "prefill_tokens": 100,
+                      "prefill_attention": 5000, "decode_seqs": 0, "decode_context": 0,
+                      "kv_blocks_used": 1, "queue_length": 0, "threads": 2})  # fmt: skip
+        t += 0.201
+    cal = fidelity.calibrate({"workers": {"decode-0": {"steps": steps}}}, "t", False, None)
+    assert set(cal.by_threads) == {1, 2} and set(cal.thread_noise) == {1, 2}
+    one_decodes, one_prompts = cal.thread_noise[1]
+    two_decodes, two_prompts = cal.thread_noise[2]
+    assert len(one_decodes) == 30 and len(two_decodes) == 30
+    assert one_prompts == () and two_prompts == ()  # 0 and 3 prompt steps: the pooled is drawn
+    # the one-thread steps fit their model exactly; the two-thread ones keep their wobble
+    assert max(one_decodes) / min(one_decodes) == pytest.approx(1.0, abs=0.02)
+    assert max(two_decodes) / min(two_decodes) > 1.2
