@@ -240,7 +240,7 @@ class Round:
     ttft_p99_ms: float
     itl_p50_ms: float
     itl_p99_ms: float
-    joined: float  # share of the output tokens that arrived in a chunk with others (bursts)
+    joined: float  # 1 - text chunks / output tokens: the tokens beyond one a chunk (bursts)
     output_tokens: int
     completed: int
     failed: int
@@ -319,9 +319,10 @@ async def measure_all(
 
 
 def joined_share(results: Sequence[RequestResult]) -> float:
-    """The share of successful requests' output tokens that arrived sharing a text chunk: 0 when
-    every token came alone, 0.5 when they came in pairs. A server that falls behind joins tokens
-    (tandem's `read_stream` does), so throughput alone would hide the bursts."""
+    """1 - text chunks / output tokens over the successful requests: the share of tokens beyond
+    one a chunk, 0 when every token came alone, 0.5 when they came in pairs. A server that falls
+    behind joins tokens (tandem's `read_stream` does), so throughput alone would hide the
+    bursts. Tokens without text of their own (an EOS, part of a character) count as joined."""
     done = [r for r in results if r.success and r.output_tokens and r.ttft is not None]
     tokens = sum(r.output_tokens or 0 for r in done)
     chunks = sum(min(len(r.itl) + 1, r.output_tokens or 0) for r in done)
@@ -780,7 +781,7 @@ def format_table(rows: dict[Key, dict], order: Sequence[str]) -> str:
     lines = [" | ".join(c.rjust(w) for c, w in zip(r, widths, strict=True)) for r in table]
     legend = (
         "tok/s: median over rounds (min-max); latencies in ms, medians of each round's "
-        "percentile; joined: share of the tokens that arrived with others in one chunk; "
+        "percentile; joined: 1 - text chunks / output tokens (the tokens beyond one a chunk); "
         "busy: engine time in step() / wall time"
     )
     return "\n".join([*lines, legend])

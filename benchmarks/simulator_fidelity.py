@@ -166,7 +166,10 @@ def oversubscription(per_worker: dict[str, list[StepRecord]], cores: int) -> dic
             if ended <= began:
                 factors[id(s)] = 1.0
                 continue
-            changes = []  # (time, +1 / -1): another worker's step starts / ends within this one
+            # (time, +1 / -1): another worker's step starts / ends within this one. A worker's
+            # steps never overlap, so walking back from the last one begun before this one
+            # ends may stop at the first that ended before this one began.
+            changes = []
             for other, span in spans.items():
                 if other == worker:
                     continue
@@ -179,7 +182,7 @@ def oversubscription(per_worker: dict[str, list[StepRecord]], cores: int) -> dic
                 work += (t - at) * min(1.0, cores / k)
                 k, at = k + step_change, t
             work += (ended - at) * min(1.0, cores / k)
-            factors[id(s)] = s.seconds / work
+            factors[id(s)] = (ended - began) / work
     return factors
 
 
@@ -200,8 +203,8 @@ class Calibration:
     # apart: the spread the simulator draws from
     step_noise: tuple[float, ...] = ()
     prefill_step_noise: tuple[float, ...] = ()
-    # the same per thread count, of the counts with MIN_THREAD_NOISE steps of a kind (else
-    # that kind's spread is empty: the pooled one is drawn)
+    # the same per thread count with a model (by_threads), each kind's spread empty where the
+    # count has fewer than MIN_THREAD_NOISE steps of it (the pooled one is drawn then)
     thread_noise: dict[int, tuple[tuple[float, ...], tuple[float, ...]]] = field(
         default_factory=dict
     )
@@ -306,27 +309,9 @@ def calibrate(
     steps = [s for records in per_worker.values() for s in records]
     counts = sorted({s.threads for s in steps if s.threads})
     if by_threads and len(counts) > 1:
-        # Each step as if its threads had the cores to themselves (the simulator adds the
-        # oversubscription back: Simulation._oversubscribed).
-        shared = oversubscription(per_worker, max(counts))
-        alone_steps = [s._replace(seconds=s.seconds / shared[id(s)]) for s in steps]
-        models = {}
-        for threads in counts:
-            group = [s for s in alone_steps if s.threads == threads]
-            if len(group) >= MIN_THREAD_STEPS:
-                train, heldout = split_every(group, 5)
-                info = ProfileInfo(model=f"{name}-{threads}t", source="telemetry")
-                models[threads] = fit(train, heldout, info)
-        if models:
-            fitted = [s for s in alone_steps if s.threads in models]
-            noise = spreads(fitted, lambda s: models[s.threads])
-            by_count = {}
-            for threads, model in models.items():
-                kinds = spreads([s for s in fitted if s.threads == threads], model)
-                by_count[threads] = tuple(k if len(k) >= MIN_THREAD_NOISE else () for k in kinds)
-            return Calibration(
-                models[max(models)], 1.0, 1.0, gap, len(fitted), models, *noise, by_count
-            )
+        paced = calibrate_paced(per_worker, name, gap)
+        if paced is not None:
+            return paced
     if not interference or alone is None:
         train, heldout = split_every(steps, 5)
         model = fit(train, heldout, ProfileInfo(model=name, source="telemetry"))
@@ -367,6 +352,34 @@ def calibrate(
         {},
         *spreads(records, model),
     )
+
+
+def calibrate_paced(
+    per_worker: dict[str, list[StepRecord]], name: str, gap: float
+) -> Calibration | None:
+    """`calibrate` for workers that paced their cores: a model per thread count with
+    MIN_THREAD_STEPS steps (None if there is none), each fitted on the steps of that count as if
+    their threads had the cores to themselves (the simulator adds the oversubscription back:
+    Simulation._oversubscribed), and the spreads around them, pooled and per count."""
+    steps = [s for records in per_worker.values() for s in records]
+    shared = oversubscription(per_worker, max(s.threads for s in steps))
+    alone_steps = [s._replace(seconds=s.seconds / shared[id(s)]) for s in steps]
+    models = {}
+    for threads in sorted({s.threads for s in steps if s.threads}):
+        group = [s for s in alone_steps if s.threads == threads]
+        if len(group) >= MIN_THREAD_STEPS:
+            train, heldout = split_every(group, 5)
+            info = ProfileInfo(model=f"{name}-{threads}t", source="telemetry")
+            models[threads] = fit(train, heldout, info)
+    if not models:
+        return None
+    fitted = [s for s in alone_steps if s.threads in models]
+    by_count = {}
+    for threads, model in models.items():
+        kinds = spreads([s for s in fitted if s.threads == threads], model)
+        by_count[threads] = tuple(k if len(k) >= MIN_THREAD_NOISE else () for k in kinds)
+    noise = spreads(fitted, lambda s: models[s.threads])
+    return Calibration(models[max(models)], 1.0, 1.0, gap, len(fitted), models, *noise, by_count)
 
 
 def spreads(
@@ -743,7 +756,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         action=argparse.BooleanOptionalAction,
         default=True,
         help="with --step-noise on paced workers: each step draws from the spread measured on "
-        "its thread count (a kind with fewer than 20 such steps: from all of its kind)",
+        f"its thread count (a kind with fewer than {MIN_THREAD_NOISE} such steps: from all of "
+        "its kind)",
     )
     p.add_argument(
         "--fit-on",

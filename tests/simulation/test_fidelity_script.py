@@ -110,6 +110,15 @@ def test_steps_with_more_workers_computing_than_cores_are_slowed_for_that_part_o
     work = 0.9 + 0.1 * 2 / 3
     assert shared[id(a)] == pytest.approx(1.0 / work) and shared[id(b)] == pytest.approx(1 / work)
     assert fidelity.oversubscription(per_worker, 3)[id(c)] == pytest.approx(1.0)
+    # Steps that only touch (one ends as the other begins) do not share the cores, and a step
+    # of no length is not slowed.
+    first, touching, empty = step(0.0, 0.5), step(0.5, 0.5), step(0.2, 0.0)
+    alone = {"decode-0": [first], "decode-1": [touching], "decode-2": [empty]}
+    assert fidelity.oversubscription(alone, 1) == {
+        id(first): 1.0,
+        id(touching): 1.0,
+        id(empty): 1.0,
+    }
 
 
 def test_the_fit_takes_the_calibration_with_or_without_its_open_loop_part_or_the_run() -> None:
