@@ -309,7 +309,7 @@ def calibrate(
     steps = [s for records in per_worker.values() for s in records]
     counts = sorted({s.threads for s in steps if s.threads})
     if by_threads and len(counts) > 1:
-        paced = calibrate_paced(per_worker, name, gap)
+        paced = calibrate_paced(per_worker, steps, counts, name, gap)
         if paced is not None:
             return paced
     if not interference or alone is None:
@@ -355,17 +355,21 @@ def calibrate(
 
 
 def calibrate_paced(
-    per_worker: dict[str, list[StepRecord]], name: str, gap: float
+    per_worker: dict[str, list[StepRecord]],
+    steps: list[StepRecord],
+    counts: list[int],
+    name: str,
+    gap: float,
 ) -> Calibration | None:
-    """`calibrate` for workers that paced their cores: a model per thread count with
-    MIN_THREAD_STEPS steps (None if there is none), each fitted on the steps of that count as if
-    their threads had the cores to themselves (the simulator adds the oversubscription back:
-    Simulation._oversubscribed), and the spreads around them, pooled and per count."""
-    steps = [s for records in per_worker.values() for s in records]
-    shared = oversubscription(per_worker, max(s.threads for s in steps))
+    """`calibrate` for workers that paced their cores (`steps`: every worker's, which ran on
+    the thread `counts`): a model per thread count with MIN_THREAD_STEPS steps (None if there
+    is none), each fitted on the steps of that count as if their threads had the cores to
+    themselves (the simulator adds the oversubscription back: Simulation._oversubscribed), and
+    the spreads around them, pooled and per count."""
+    shared = oversubscription(per_worker, max(counts))
     alone_steps = [s._replace(seconds=s.seconds / shared[id(s)]) for s in steps]
     models = {}
-    for threads in sorted({s.threads for s in steps if s.threads}):
+    for threads in counts:
         group = [s for s in alone_steps if s.threads == threads]
         if len(group) >= MIN_THREAD_STEPS:
             train, heldout = split_every(group, 5)
