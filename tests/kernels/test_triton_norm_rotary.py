@@ -52,7 +52,9 @@ def check_rms_norm(rows: int, dim: int, dtype: torch.dtype) -> None:
     assert_rounded_close(got_out, want_out)
 
 
-def check_rotary(tokens: int, heads: int, head_dim: int, dtype: torch.dtype) -> None:
+def check_rotary(
+    tokens: int, heads: int, head_dim: int, dtype: torch.dtype, exact: bool = False
+) -> None:
     from kernels.triton_rotary import rotary
 
     gen = torch.Generator().manual_seed(1)
@@ -63,7 +65,11 @@ def check_rotary(tokens: int, heads: int, head_dim: int, dtype: torch.dtype) -> 
     sin = angles.sin().to(device=device(), dtype=dtype)
     got = rotary(x, cos, sin)
     assert got.is_contiguous()
-    assert_rounded_close(got, rotary_ref(x, cos, sin))
+    want = rotary_ref(x, cos, sin)
+    if exact:
+        assert got.dtype == want.dtype and torch.equal(got, want)
+    else:
+        assert_rounded_close(got, want)
 
 
 @interpreted
@@ -104,4 +110,5 @@ def test_rotary_rejects_mismatched_tables() -> None:
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_gpu_rms_norm_and_rotary_match_reference(dtype: torch.dtype) -> None:
     check_rms_norm(300, 4096, dtype)
-    check_rotary(300, 32, 128, dtype)
+    # compiled without fused multiply-adds, every rounding is torch's (kernels/triton_rotary.py)
+    check_rotary(300, 32, 128, dtype, exact=True)
