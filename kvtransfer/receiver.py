@@ -20,7 +20,9 @@ request has arrived once every leg's done frame has. A leg whose channel breaks 
 pair's key, so the next reservation opens new channels.
 
 Events go to `on_event`, called on the receiver thread; the decode worker hands them to its
-engine thread. Reservations (`expect`) and `forget` may be called from any thread.
+engine thread. On CUDA each receiver thread works on a stream of its own (kvtransfer/streams.py)
+and waits for each unpack before it lets go of the lock, so an Arrived request's KV is in place
+for the engine's stream. Reservations (`expect`) and `forget` may be called from any thread.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ import torch
 from kernels import ops
 from kernels.threads import use_threads
 from kvtransfer.integrity import DIGEST_START, fold, payload_sum
+from kvtransfer.streams import settle, use_own_stream
 from kvtransfer.transport import Channel, Rendezvous, TransferError, Transport
 from kvtransfer.wire import AbortFrame, DoneFrame, PostedFrame, StepFrame
 from protocol.kv import Route, base_key
@@ -235,6 +238,8 @@ class KVReceiver:
         # Unpacking is a small memory-bound copy: one thread, or it fights the engine thread
         # for cores (a fresh thread would otherwise use them all).
         use_threads(1)
+        # On CUDA its copies, checksums and unpacks wait for nothing the engine has queued.
+        use_own_stream(self.kv_caches[0][0].device)
         channel, posted = None, None
         try:
             channel = self.transport.accept(self.rendezvous.client(), key, self.timeout)
@@ -330,6 +335,7 @@ class KVReceiver:
             slots = expected.slots[offset : offset + payload.shape[1]]
             key_cache, value_cache = self.kv_caches[layer]
             ops.unpack_kv(payload, key_cache, value_cache, slots, leg.heads)
+            settle(key_cache.device)  # written before forget() can hand the blocks on
             nbytes = payload.numel() * payload.element_size()
             state.bytes_received += nbytes
             expected.bytes_received += nbytes

@@ -1,8 +1,10 @@
 """KVSender: the prefill side of KV transfer. One thread sends queued frames in order.
 
 The compute thread packs layer l of a request into its own buffer and queues it; this thread
-sends it while the compute thread runs layer l+1 (on CUDA it first waits for the event recorded
-after the pack, so nothing is sent before it is written). Channels open lazily per ticket key.
+sends it while the compute thread runs layer l+1. On CUDA it works on a stream of its own,
+ordered after the event recorded after the pack (so nothing is sent before it is written) and
+after nothing else the compute thread queued (kvtransfer/streams.py). Channels open lazily per
+ticket key.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from typing import NamedTuple
 import torch
 
 from kvtransfer.integrity import DIGEST_START, fold, payload_sum
+from kvtransfer.streams import adopt, use_own_stream
 from kvtransfer.transport import Channel, Pending, TransferError, Transport
 from kvtransfer.wire import AbortFrame, DoneFrame, Frame, StepFrame, encode_frame
 from protocol.kv import Ticket
@@ -164,8 +167,8 @@ class KVSender:
                 tensors = encode_frame(frame)
             case _SendLayer(ticket=ticket, payload=payload, ready=ready):
                 record.started = record.started or start  # a transfer starts with its first KV
-                if ready is not None:
-                    ready.synchronize()
+                use_own_stream(payload.device)
+                adopt(payload, ready)
                 if ticket.verify:
                     record.digest = fold(record.digest, payload_sum(payload))
                 tensors = [payload]
