@@ -1,5 +1,6 @@
 """One prefill rank's share of a step's KV sends: its legs (protocol/kv.py routes), announced
-before the forward pass and packed layer by layer as the layers finish.
+before the forward pass and packed layer by layer as the layers finish, one payload per
+channel and layer (a wave of 16 prompts on a 24-layer model is 24 sends, not 384).
 
 Prefill rank 0 and the follower ranks of a tensor-parallel prefill worker both send this way,
 each only the routes whose `src` is its own rank, each from its own KV cache.
@@ -33,6 +34,20 @@ class LegChunk(NamedTuple):
     slots: torch.Tensor  # [n] int64 slot ids
 
 
+class ChannelStep(NamedTuple):
+    """This rank's legs of a step on one channel, in the order announced: each layer's payload
+    for all of them travels as one, their tokens back to back."""
+
+    legs: list[LegChunk]
+    slots: torch.Tensor  # every leg's slots, concatenated
+    heads: range  # of the sending rank's cache; a channel's legs all carry the same heads
+
+    @property
+    def parts(self) -> list[tuple[Ticket, int]]:
+        """(ticket, tokens) per leg: how the payload divides."""
+        return [(leg.ticket, leg.slots.numel()) for leg in self.legs]
+
+
 def announce(
     sender: KVSender,
     chunks: list[StepChunk],
@@ -40,9 +55,9 @@ def announce(
     kv_head_start: int,
     num_layers: int,
     device: torch.device,
-) -> list[LegChunk]:
+) -> list[ChannelStep]:
     """Announces rank `rank`'s legs of the step's chunks, one StepFrame per channel, and
-    returns them in the order their payloads must follow, each layer."""
+    returns them per channel, in the order their payloads follow each layer."""
     by_channel: dict[str, list[tuple[LegChunk, int]]] = {}
     for chunk in chunks:
         slots = torch.tensor(chunk.slots, dtype=torch.int64, device=device)
@@ -51,19 +66,24 @@ def announce(
             by_channel.setdefault(leg.channel_key, []).append(
                 (LegChunk(leg, heads, slots), chunk.start)
             )
-    ordered: list[LegChunk] = []
-    for entries in by_channel.values():
+    steps: list[ChannelStep] = []
+    for key, entries in by_channel.items():
+        legs = [leg for leg, _ in entries]
+        if len({leg.heads for leg in legs}) != 1:
+            raise ValueError(f"legs on channel {key} carry different heads")
         announced = [(leg.ticket, start, leg.slots.numel()) for leg, start in entries]
         sender.send_step(announced, num_layers)
-        ordered.extend(leg for leg, _ in entries)
-    return ordered
+        slots = torch.cat([leg.slots for leg in legs]) if len(legs) > 1 else legs[0].slots
+        steps.append(ChannelStep(legs, slots, legs[0].heads))
+    return steps
 
 
 def pack_layer(
-    legs: list[LegChunk], key_cache: torch.Tensor, value_cache: torch.Tensor
-) -> list[tuple[LegChunk, torch.Tensor]]:
-    """Each leg's payload of one layer: [2, n, len(heads), head_dim], in its own buffer."""
-    return [(leg, ops.pack_kv(key_cache, value_cache, leg.slots, heads=leg.heads)) for leg in legs]
+    steps: list[ChannelStep], key_cache: torch.Tensor, value_cache: torch.Tensor
+) -> list[tuple[ChannelStep, torch.Tensor]]:
+    """Each channel's payload of one layer: [2, tokens, len(heads), head_dim], one gather into
+    a buffer of its own, the legs' tokens in announce order."""
+    return [(s, ops.pack_kv(key_cache, value_cache, s.slots, heads=s.heads)) for s in steps]
 
 
 def ready_event(payload: torch.Tensor) -> torch.cuda.Event | None:

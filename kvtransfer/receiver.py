@@ -2,7 +2,8 @@
 and scatters each layer into the blocks reserved for the request.
 
     prefill P --channel(key)--> receiver thread for key
-        StepFrame + a payload per (layer, chunk) -> unpack into the chunk's reserved slots
+        StepFrame + a payload per layer      -> unpack each chunk's tokens (back to back in
+                                                it) into the chunk's reserved slots
         DoneFrame(r, token, digest)          -> Arrived(r, token, ...)   (all layers are in and
                                                 their checksums fold to `digest`)
         AbortFrame(r) / channel error        -> TransferFailed(r, reason)
@@ -39,7 +40,7 @@ import torch
 
 from kernels import ops
 from kernels.threads import use_threads
-from kvtransfer.integrity import DIGEST_START, fold, payload_sum
+from kvtransfer.integrity import DIGEST_START, fold, part_sums
 from kvtransfer.streams import settle, use_own_stream
 from kvtransfer.transport import Channel, Rendezvous, TransferError, Transport
 from kvtransfer.wire import AbortFrame, DoneFrame, PostedFrame, StepFrame
@@ -293,20 +294,20 @@ class KVReceiver:
     def _receive_step(
         self, channel: Channel, leg: Leg, frame: StepFrame, spare: StagingBuffers
     ) -> PostedFrame:
-        """Posts every payload receive of the step, then the next frame's; unpacks each layer
-        as it lands (the prefill side sends them as its layers finish)."""
+        """Posts every layer's payload receive of the step, then the next frame's; unpacks each
+        layer as it lands (the prefill side sends them as its layers finish)."""
+        tokens = sum(num_tokens for _, _, num_tokens in frame.chunks)
         arriving = []
         for layer in range(frame.num_layers):
             kv = self.kv_caches[layer][0]
-            for request_id, start, num_tokens in frame.chunks:
-                payload = spare.take(kv, (2, num_tokens, len(leg.heads), kv.shape[3]))
-                arriving.append((channel.recv_async(payload), payload, layer, request_id, start))
+            payload = spare.take(kv, (2, tokens, len(leg.heads), kv.shape[3]))
+            arriving.append((channel.recv_async(payload), payload, layer))
         following = PostedFrame(channel)
         done = 0
         try:
-            for pending, payload, layer, request_id, start in arriving:
+            for pending, payload, layer in arriving:
                 pending.wait(self.timeout)
-                self._unpack(request_id, leg, layer, start, payload)
+                self._unpack(frame, leg, layer, payload)
                 spare.give_back(payload)
                 done += 1
         except Exception as err:
@@ -315,32 +316,39 @@ class KVReceiver:
             raise _StepBroke(err, [*still_posted, following]) from err
         return following
 
-    def _unpack(
-        self, request_id: str, leg: Leg, layer: int, start: int, payload: torch.Tensor
-    ) -> None:
+    def _unpack(self, frame: StepFrame, leg: Leg, layer: int, payload: torch.Tensor) -> None:
+        """Scatters each chunk's part of one layer's payload into its reserved slots."""
         with self._lock:
-            expected = self._expected.get(request_id)
-            live = expected is not None and leg.key in expected.legs
-        # The checksum outside the lock (the engine thread takes it to reserve and forget).
-        checksum = payload_sum(payload) if live and expected.verify else None
+            live = [self._expected.get(request_id) for request_id, _, _ in frame.chunks]
+            live = [e if e is not None and leg.key in e.legs else None for e in live]
+        # The checksums outside the lock (the engine thread takes it to reserve and forget).
+        verified = any(e is not None and e.verify for e in live)
+        sizes = [num_tokens for _, _, num_tokens in frame.chunks]
+        sums = part_sums(payload, sizes) if verified else None
+        key_cache, value_cache = self.kv_caches[layer]
+        token_bytes = payload[:, :1].numel() * payload.element_size()
+        first = 0
         # Under the lock: once forget() returns, no write lands in blocks that may be reused.
         with self._lock:
-            if not live or self._expected.get(request_id) is not expected:
-                self.stale_frames += 1  # expired, aborted or retried meanwhile: drop the bytes
-                return
-            state = expected.legs[leg.key][1]
-            if checksum is not None:
-                state.digest = fold(state.digest, checksum)
-            offset = start - expected.num_cached
-            slots = expected.slots[offset : offset + payload.shape[1]]
-            key_cache, value_cache = self.kv_caches[layer]
-            ops.unpack_kv(payload, key_cache, value_cache, slots, leg.heads)
+            for index, (request_id, start, num_tokens) in enumerate(frame.chunks):
+                part = slice(first, first + num_tokens)
+                first += num_tokens
+                expected = live[index]
+                if expected is None or self._expected.get(request_id) is not expected:
+                    self.stale_frames += 1  # expired, aborted or retried: drop its bytes
+                    continue
+                state = expected.legs[leg.key][1]
+                if sums is not None and expected.verify:
+                    state.digest = fold(state.digest, sums[index])
+                offset = start - expected.num_cached
+                slots = expected.slots[offset : offset + num_tokens]
+                ops.unpack_kv(payload[:, part], key_cache, value_cache, slots, leg.heads)
+                nbytes = num_tokens * token_bytes
+                state.bytes_received += nbytes
+                expected.bytes_received += nbytes
+                self.bytes_received += nbytes
+                expected.first_frame = expected.first_frame or time.monotonic()
             settle(key_cache.device)  # written before forget() can hand the blocks on
-            nbytes = payload.numel() * payload.element_size()
-            state.bytes_received += nbytes
-            expected.bytes_received += nbytes
-            self.bytes_received += nbytes
-        expected.first_frame = expected.first_frame or time.monotonic()
 
     def _finish(self, frame: DoneFrame | AbortFrame, expected: _Expected) -> None:
         """`frame`: an abort, or the last leg's done frame."""

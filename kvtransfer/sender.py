@@ -1,6 +1,7 @@
 """KVSender: the prefill side of KV transfer. One thread sends queued frames in order.
 
-The compute thread packs layer l of a request into its own buffer and queues it; this thread
+The compute thread packs layer l of a step's chunks on a channel into one buffer of its own
+(kvtransfer/legs.py) and queues it; this thread
 sends it while the compute thread runs layer l+1. On CUDA it works on a stream of its own,
 ordered after the event recorded after the pack (so nothing is sent before it is written) and
 after nothing else the compute thread queued (kvtransfer/streams.py). Channels open lazily per
@@ -20,7 +21,7 @@ from typing import NamedTuple
 
 import torch
 
-from kvtransfer.integrity import DIGEST_START, fold, payload_sum
+from kvtransfer.integrity import DIGEST_START, fold, part_sums
 from kvtransfer.streams import adopt, use_own_stream
 from kvtransfer.transport import Channel, Pending, TransferError, Transport
 from kvtransfer.wire import AbortFrame, DoneFrame, Frame, StepFrame, encode_frame
@@ -54,17 +55,29 @@ class _OpenChannel(NamedTuple):
 
     ticket: Ticket
 
+    @property
+    def parts(self) -> list[tuple[Ticket, int]]:
+        return [(self.ticket, 0)]
+
 
 class _SendFrame(NamedTuple):
     ticket: Ticket  # its channel carries the frame
     frame: Frame
 
+    @property
+    def parts(self) -> list[tuple[Ticket, int]]:
+        return [(self.ticket, 0)]
+
 
 class _SendLayer(NamedTuple):
-    ticket: Ticket
+    parts: list[tuple[Ticket, int]]  # (ticket, tokens) per chunk, all on one channel, in order
     layer: int
-    payload: torch.Tensor  # [2, num_tokens, kv_heads, head_dim]
+    payload: torch.Tensor  # [2, tokens of all parts, kv_heads, head_dim]
     ready: torch.cuda.Event | None  # recorded after the pack on CUDA; None on CPU
+
+    @property
+    def ticket(self) -> Ticket:  # names the channel
+        return self.parts[0][0]
 
 
 class _Stop:
@@ -104,8 +117,12 @@ class KVSender:
         entries = [(ticket.request_id, start, n) for ticket, start, n in chunks]
         self._jobs.put(_SendFrame(chunks[0][0], StepFrame(entries, num_layers)))
 
-    def send_layer(self, ticket: Ticket, layer: int, payload: torch.Tensor, ready=None) -> None:
-        self._jobs.put(_SendLayer(ticket, layer, payload, ready))
+    def send_layer(
+        self, parts: list[tuple[Ticket, int]], layer: int, payload: torch.Tensor, ready=None
+    ) -> None:
+        """One layer of the step's chunks `parts` (ticket, tokens), in the order announced,
+        back to back in `payload` (kvtransfer/legs.py)."""
+        self._jobs.put(_SendLayer(parts, layer, payload, ready))
 
     def send_done(self, ticket: Ticket, token_id: int, logprobs) -> None:
         top = [list(pair) for pair in logprobs.top] if logprobs is not None else None
@@ -158,19 +175,23 @@ class KVSender:
 
     def _post(self, channel: Channel, job: _SendFrame | _SendLayer) -> None:
         """Posts the frame or payload without waiting, keeping at most WINDOW in flight."""
-        record = self._records.setdefault(
-            _leg(job.ticket), SendRecord(channel_key=job.ticket.channel_key)
-        )
+        records = [
+            self._records.setdefault(_leg(ticket), SendRecord(channel_key=ticket.channel_key))
+            for ticket, _ in job.parts
+        ]
         start = time.monotonic()
         match job:
             case _SendFrame(frame=frame):
                 tensors = encode_frame(frame)
-            case _SendLayer(ticket=ticket, payload=payload, ready=ready):
-                record.started = record.started or start  # a transfer starts with its first KV
+            case _SendLayer(parts=parts, payload=payload, ready=ready):
                 use_own_stream(payload.device)
                 adopt(payload, ready)
-                if ticket.verify:
-                    record.digest = fold(record.digest, payload_sum(payload))
+                verified = any(ticket.verify for ticket, _ in parts)
+                sums = part_sums(payload, [n for _, n in parts]) if verified else None
+                for index, ((ticket, _), record) in enumerate(zip(parts, records, strict=True)):
+                    record.started = record.started or start  # it starts with its first KV
+                    if sums is not None and ticket.verify:
+                        record.digest = fold(record.digest, sums[index])
                 tensors = [payload]
         for tensor in tensors:
             self._inflight.append((channel.send_async(tensor), job, start))
@@ -191,10 +212,17 @@ class KVSender:
             except TransferError as err:
                 self._fail_job(job, err)
                 continue
-            record = self._records.get(_leg(job.ticket))
-            if isinstance(job, _SendLayer) and record is not None:
-                record.bytes_sent += job.payload.numel() * job.payload.element_size()
-                record.layer_sends.append((job.layer, start, time.monotonic()))
+            if isinstance(job, _SendLayer):
+                self._sent(job, start)
+
+    def _sent(self, job: _SendLayer, start: float) -> None:
+        end = time.monotonic()
+        token_bytes = job.payload[:, :1].numel() * job.payload.element_size()
+        for ticket, tokens in job.parts:
+            record = self._records.get(_leg(ticket))
+            if record is not None:
+                record.bytes_sent += tokens * token_bytes
+                record.layer_sends.append((job.layer, start, end))
 
     def _complete(self, ticket: Ticket, last: DoneFrame | AbortFrame) -> None:
         request_id = ticket.request_id
@@ -206,17 +234,19 @@ class KVSender:
         self.on_finished(request_id, record, error)
 
     def _fail_job(self, job: Job, err: TransferError) -> None:
-        request_id = job.ticket.request_id
-        log.warning("KV transfer of %s to %s failed: %s", request_id, job.ticket.decode_id, err)
+        ids = ", ".join(ticket.request_id for ticket, _ in job.parts)
+        log.warning("KV transfer of %s to %s failed: %s", ids, job.ticket.decode_id, err)
         self._drop_channel(job.ticket.channel_key)
         self._fail_quietly(job, err)
 
     def _fail_quietly(self, job: Job, err: TransferError) -> None:
-        """Fails the job's request unless it failed already. A step frame speaks for several
+        """Fails the job's requests unless they failed already. A step frame speaks for several
         requests: each fails on its own next job instead."""
-        is_step = isinstance(job, _SendFrame) and isinstance(job.frame, StepFrame)
-        if job.ticket.request_id not in self._failed and not is_step:
-            self._fail(job.ticket.request_id, err)
+        if isinstance(job, _SendFrame) and isinstance(job.frame, StepFrame):
+            return
+        for ticket, _ in job.parts:
+            if ticket.request_id not in self._failed:
+                self._fail(ticket.request_id, err)
 
     def _channel(self, ticket: Ticket) -> Channel:
         key = ticket.channel_key

@@ -31,7 +31,7 @@ from engine.block_manager import slots_of
 from engine.engine import LLMEngine
 from engine.engine_thread import EngineThread
 from engine.scheduler import StepPlan
-from kvtransfer.legs import LegChunk, StepChunk, announce, pack_layer, ready_event
+from kvtransfer.legs import ChannelStep, StepChunk, announce, pack_layer, ready_event
 from kvtransfer.sender import KVSender, SendRecord
 from kvtransfer.transport import TransferError, Transport
 from protocol.errors import RequestFailedError
@@ -106,7 +106,7 @@ class PrefillWorker:
         self.sender = KVSender(transport, transfer_timeout, self._on_sent)
         self.transfers = TransferCounters(transport.name)
         self._pending: dict[str, _Pending] = {}
-        self._step_legs: list[LegChunk] = []  # this step's sends from this rank, in order
+        self._step_legs: list[ChannelStep] = []  # this step's sends from this rank, in order
         self._held: list[tuple] = []
         self.ranks = engine.runner.ranks  # the follower ranks, under tensor parallelism
         self._pace = pace  # a prompt's step is long: its cores are paced layer by layer too
@@ -210,15 +210,16 @@ class PrefillWorker:
             self._pace(True)
         key_cache, value_cache = self.engine.kv_caches[layer]
         now = time.monotonic()
-        for leg, payload in pack_layer(self._step_legs, key_cache, value_cache):
-            job = (leg.ticket, layer, payload, ready_event(payload))
+        for channel_step, payload in pack_layer(self._step_legs, key_cache, value_cache):
+            job = (channel_step.parts, layer, payload, ready_event(payload))
             if self.pipeline_layers:
                 self.sender.send_layer(*job)
             else:
                 self._held.append(job)
-            pending = self._pending[leg.ticket.request_id]
-            if leg.ticket.channel_key == pending.ticket.channel_key:  # once per request
-                pending.layers_computed.append((layer, now))
+            for leg in channel_step.legs:
+                pending = self._pending[leg.ticket.request_id]
+                if leg.ticket.channel_key == pending.ticket.channel_key:  # once per request
+                    pending.layers_computed.append((layer, now))
 
     def _announce_step(self, plan: StepPlan) -> list | None:
         """Picks the tokens each request sends this step (its chunk, plus earlier tokens found

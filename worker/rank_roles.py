@@ -88,8 +88,8 @@ class RankRoles:
 
         def send_layer(layer: int) -> None:
             key_cache, value_cache = self.runner.kv_caches[layer]
-            for leg, payload in pack_layer(legs, key_cache, value_cache):
-                sender.send_layer(leg.ticket, layer, payload, ready_event(payload))
+            for channel_step, payload in pack_layer(legs, key_cache, value_cache):
+                sender.send_layer(channel_step.parts, layer, payload, ready_event(payload))
 
         forward(send_layer if legs else None)
         for ticket, _, _, last in entries:

@@ -53,12 +53,17 @@ class Case:
     every: bool = False
     delay: float = 0.0
     retried: bool = True  # the fault costs an attempt
-    corrupt: int = 0  # checksum failures the decode worker reports
+    corrupt: range = range(0, 1)  # checksum failures the decode worker reports
 
 
 CASES = {
-    "corrupt once": Case(Fault.CORRUPT, corrupt=1),
-    "corrupt always": Case(Fault.CORRUPT, on_payload=0, every=True, corrupt=2 * NUM_REQUESTS),
+    "corrupt once": Case(Fault.CORRUPT, corrupt=range(1, 2)),
+    # A payload carries a step's chunks on one channel: a flipped bit fails the one it lands in,
+    # so requests that shared a step with it may arrive whole. At least one fails twice and is
+    # recomputed locally (asserted below); none fails more than twice.
+    "corrupt always": Case(
+        Fault.CORRUPT, on_payload=0, every=True, corrupt=range(2, 2 * NUM_REQUESTS + 1)
+    ),
     "drop": Case(Fault.DROP),
     "duplicate": Case(Fault.DUPLICATE, retried=False),
     "cut": Case(Fault.CUT),
@@ -123,7 +128,7 @@ def test_a_fault_in_the_handoff_never_reaches_the_output(
     assert elapsed < DEADLINE_S
     assert faulty.injected >= 1
     assert all(h.alive for h in health)  # neither side crashed
-    assert stats.kv_checksum_failures == case.corrupt
+    assert stats.kv_checksum_failures in case.corrupt
     failures = stats.kv_transfer_failures + prefill_stats.kv_transfer_failures  # either side saw it
     if case.retried:
         assert failures >= 1

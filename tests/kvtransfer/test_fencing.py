@@ -77,7 +77,7 @@ def test_an_abandoned_attempt_never_writes_into_its_retrys_blocks(name: str) -> 
         old_sender.open(old)  # both channels up before anything is sent
         retry_sender.open(retry)
         old_sender.send_step([(old, 0, NUM_TOKENS)], LAYOUT.num_layers)
-        old_sender.send_layer(old, 0, payload(1.0))
+        old_sender.send_layer([(old, NUM_TOKENS)], 0, payload(1.0))
         _wait_until(lambda: receiver.bytes_received == payload(1.0).numel() * 4)
         # The decode side gives up on r#1 (its lease expired) and reserves the same slots for
         # the retry, prefilled by another worker.
@@ -85,13 +85,13 @@ def test_an_abandoned_attempt_never_writes_into_its_retrys_blocks(name: str) -> 
         receiver.expect("r#2", retry.channel_key, SLOTS, 0)
         retry_sender.send_step([(retry, 0, NUM_TOKENS)], LAYOUT.num_layers)
         for layer in range(LAYOUT.num_layers):
-            retry_sender.send_layer(retry, layer, payload(2.0 + layer))
+            retry_sender.send_layer([(retry, NUM_TOKENS)], layer, payload(2.0 + layer))
         retry_sender.send_done(retry, 7, None)
         arrived = events.wait_for("r#2")
         assert isinstance(arrived, Arrived) and arrived.token_id == 7
         # Now the old attempt's remaining layer and done frame arrive.
         stale_before = receiver.stale_frames
-        old_sender.send_layer(old, 1, payload(1.0))
+        old_sender.send_layer([(old, NUM_TOKENS)], 1, payload(1.0))
         old_sender.send_done(old, 5, None)
         _wait_until(lambda: receiver.stale_frames == stale_before + 2)  # a payload, a frame
         for layer, (key_cache, value_cache) in enumerate(caches):
@@ -139,18 +139,18 @@ def test_an_attempt_given_up_by_one_decode_worker_never_writes_there_again(name:
         sender.open(old)  # (a channel's receiver starts with its first reservation)
         receivers["d0"].expect("r#1", old.channel_key, SLOTS, 0)
         sender.send_step([(old, 0, NUM_TOKENS)], LAYOUT.num_layers)
-        sender.send_layer(old, 0, payload(1.0))
+        sender.send_layer([(old, NUM_TOKENS)], 0, payload(1.0))
         _wait_until(lambda: receivers["d0"].bytes_received > 0)
         # d0 gives r#1 up and hands its blocks to a new request whose KV has not come yet.
         receivers["d0"].forget("r#1")
         receivers["d0"].expect("s#1", old.channel_key, SLOTS, 0)
         receivers["d1"].expect("r#2", retry.channel_key, SLOTS, 0)
         # (the old step's last layer is due first on the sender's one thread)
-        sender.send_layer(old, 1, payload(1.0))
+        sender.send_layer([(old, NUM_TOKENS)], 1, payload(1.0))
         sender.send_done(old, 5, None)
         sender.send_step([(retry, 0, NUM_TOKENS)], LAYOUT.num_layers)
         for layer in range(LAYOUT.num_layers):
-            sender.send_layer(retry, layer, payload(2.0 + layer))
+            sender.send_layer([(retry, NUM_TOKENS)], layer, payload(2.0 + layer))
         sender.send_done(retry, 7, None)
         assert isinstance(events["d1"].wait_for("r#2"), Arrived)
         _wait_until(lambda: receivers["d0"].stale_frames == 2)  # r#1's last layer and done

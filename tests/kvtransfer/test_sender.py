@@ -10,13 +10,13 @@ from typing import NamedTuple
 import pytest
 import torch
 
-from kvtransfer.integrity import DIGEST_START, fold, payload_sum
+from kvtransfer.integrity import DIGEST_START, fold, part_sums, payload_sum
 from kvtransfer.sender import WINDOW, KVSender, SendRecord
 from kvtransfer.transport import TransferError
 from kvtransfer.wire import FRAME_BYTES, AbortFrame, DoneFrame, Frame, StepFrame, recv_frame
 from protocol.kv import Endpoint, KVLayout, Ticket
 
-NUM_LAYERS = 6  # two requests x 6 layers: more payloads than WINDOW
+NUM_LAYERS = 10  # a payload per layer: more payloads a step than WINDOW
 LAYOUT = KVLayout(num_layers=NUM_LAYERS, kv_heads=2, head_dim=4, dtype="float32")
 TO_D0, TO_D1 = "p0->d0#0", "p0->d1#0"
 
@@ -145,14 +145,20 @@ def wire(channel: FakeChannel) -> list[Frame | torch.Tensor]:
 
 
 def send_step(sender: KVSender, tickets: list[Ticket], value: float = 0.0) -> list[torch.Tensor]:
-    """Announces one step of whole prompts and sends every layer; returns the payloads sent."""
+    """Announces one step of whole prompts and sends every layer, the prompts' tokens back to
+    back in one payload a layer; returns the payloads sent."""
     sender.send_step([(t, 0, t.num_tokens) for t in tickets], NUM_LAYERS)
+    parts = [(t, t.num_tokens) for t in tickets]
     sent = []
     for layer in range(NUM_LAYERS):
-        for t in tickets:
-            sent.append(payload(value + len(sent), t.num_tokens))
-            sender.send_layer(t, layer, sent[-1])
+        sent.append(payload(value + len(sent), sum(t.num_tokens for t in tickets)))
+        sender.send_layer(parts, layer, sent[-1])
     return sent
+
+
+def part(payloads: list[torch.Tensor], start: int, num_tokens: int) -> list[torch.Tensor]:
+    """One request's tokens of each payload, as it would be packed alone."""
+    return [p[:, start : start + num_tokens].contiguous() for p in payloads]
 
 
 def test_posts_frames_and_payloads_in_submission_order() -> None:
@@ -166,23 +172,24 @@ def test_posts_frames_and_payloads_in_submission_order() -> None:
     sender.send_done(b, 12, None)
     sender.close()
 
-    assert len(payloads) > WINDOW
+    assert len(payloads) == NUM_LAYERS > WINDOW  # one payload a layer for both requests
     assert transport.connects == [TO_D0]  # one channel, opened once, for both tickets
     stream = wire(transport.channels[TO_D0])
     assert stream[0] == StepFrame([["A", 0, 3], ["B", 0, 2]], NUM_LAYERS)
     assert len(stream) == 1 + len(payloads) + 2
     for got, want in zip(stream[1:-2], payloads, strict=True):
         assert torch.equal(got, want)
-    # Each done frame carries the digest of its own request's payloads, in send order.
-    digests = [functools.reduce(fold, map(payload_sum, mine), DIGEST_START)
-               for mine in (payloads[0::2], payloads[1::2])]  # fmt: skip
+    # Each done frame carries the digest of its own request's parts, in send order: the sums
+    # it would have had packed alone.
+    mine = (part(payloads, 0, 3), part(payloads, 3, 2))
+    digests = [functools.reduce(fold, map(payload_sum, parts), DIGEST_START) for parts in mine]
     assert stream[-2:] == [
         DoneFrame("A", 11, None, None, digests[0]),
         DoneFrame("B", 12, None, None, digests[1]),
     ]
 
     assert [(f.request_id, f.error) for f in finished] == [("A", None), ("B", None)]
-    for report, sent in zip(finished, (payloads[0::2], payloads[1::2]), strict=True):
+    for report, sent in zip(finished, mine, strict=True):
         assert report.record.bytes_sent == nbytes(sent)
         assert [layer for layer, _, _ in report.record.layer_sends] == list(range(NUM_LAYERS))
         assert report.record.seconds >= 0 and report.record.finished is not None
@@ -246,7 +253,7 @@ def test_abort_frame_reports_a_transfer_error() -> None:
     sender, finished = start_sender(transport)
     sender.open(a)
     sent = payload(1.0, 3)
-    sender.send_layer(a, 0, sent)
+    sender.send_layer([(a, 3)], 0, sent)
     sender.send_abort(a, "client went away")
     sender.close()
 
@@ -268,7 +275,7 @@ def test_a_dead_peer_costs_one_deadline_not_one_per_send_in_flight() -> None:
     deadline = 0.3
     sender, finished = start_sender(transport, timeout=deadline)
     started = time.monotonic()
-    send_step(sender, [a])  # 1 frame + 6 payloads in flight on D0
+    send_step(sender, [a])  # 1 frame + 10 payloads, WINDOW of them in flight on D0
     send_step(sender, [b])
     sender.send_done(a, 11, None)
     sender.send_done(b, 12, None)
@@ -279,3 +286,11 @@ def test_a_dead_peer_costs_one_deadline_not_one_per_send_in_flight() -> None:
     assert isinstance(reports["A"].error, TransferError) and reports["B"].error is None
     assert len(finished) == 2
     assert deadline <= elapsed < 2.5 * deadline  # was one deadline per send in flight: ~7x
+
+
+def test_part_sums_are_each_part_packed_alone() -> None:
+    whole = torch.randn(2, 9, LAYOUT.kv_heads, LAYOUT.head_dim).to(torch.bfloat16)
+    sizes = [4, 1, 0, 4]
+    starts = [0, 4, 5, 5]
+    want = [payload_sum(p) for s, n in zip(starts, sizes, strict=True) for p in part([whole], s, n)]
+    assert part_sums(whole, sizes) == want
