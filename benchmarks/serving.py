@@ -41,6 +41,9 @@ names a folder with SmolLM2's config.json and tokenizer files (deploy/gpu_run.sh
 
 The busy fraction is a worker's increase of `tandem:engine_busy_seconds_total` over a round's
 wall time ("-" where /metrics lacks it; the in-process engine's is its time inside step()).
+For disaggregated targets each round also reports (progress lines and JSON, `spans_ms`) the mean
+over the round of the KV handover (prefill step's end to first token out), the KV transfer and
+its part exposed after the prefill step, from their /metrics histograms: where TTFT goes.
 """
 
 from __future__ import annotations
@@ -147,6 +150,11 @@ PROMPT_SEED = 0
 WARMUP_REQUESTS = 8
 WARMUP_TOKENS = 16
 BUSY_METRIC = "tandem:engine_busy_seconds_total"
+SPAN_METRICS = {  # disaggregated targets: where a request's first token waits, mean per round
+    "handover": "tandem:kv_handover_seconds",  # prefill step's end -> first token out
+    "transfer": "tandem:kv_transfer_seconds",  # a request's KV transfer, first layer to done
+    "exposed": "tandem:kv_transfer_exposed_seconds",  # of it, after the prefill step ended
+}
 STATS_SETTLE_S = 2.5  # the coordinator refreshes worker stats every second
 START_TIMEOUT_S = 300.0
 STOP_TIMEOUT_S = 60.0
@@ -222,13 +230,21 @@ def silent_token_ids(tokenizer: PreTrainedTokenizerBase, vocab_size: int) -> lis
 # ---- measuring one target --------------------------------------------------------------------
 
 
+@dataclass(frozen=True)
+class Counters:
+    """What a target's counters say so far."""
+
+    busy: dict[str, float]  # worker -> seconds its engine spent inside step()
+    spans: dict[str, tuple[float, float]]  # SPAN_METRICS key -> (seconds summed, count)
+
+
 class Endpoint(Protocol):
-    """One target, up: sends a request and times it like `loadtest.client`; reads its engines'
-    busy seconds (None where it does not say)."""
+    """One target, up: sends a request and times it like `loadtest.client`; reads its
+    counters (None where it has none)."""
 
     async def send(self, sample: SampleRequest) -> RequestResult: ...
 
-    async def busy_seconds(self) -> dict[str, float] | None: ...
+    async def counters(self) -> Counters | None: ...
 
 
 @dataclass(frozen=True)
@@ -247,6 +263,7 @@ class Round:
     duration_s: float
     busy: dict[str, float] | None  # worker -> busy fraction
     first_error: str | None
+    spans_ms: dict[str, float] | None = None  # SPAN_METRICS key -> its mean over the round
 
 
 async def drive(
@@ -271,10 +288,11 @@ async def drive(
 async def measure(
     endpoint: Endpoint, samples: Sequence[SampleRequest], concurrency: int, counter: TokenCounter
 ) -> Round:
-    before = await endpoint.busy_seconds()
+    before = await endpoint.counters()
     results, wall_s = await drive(endpoint.send, samples, concurrency)
-    after = await endpoint.busy_seconds()
-    return round_of(results, wall_s, busy_fractions(before, after, wall_s), counter)
+    after = await endpoint.counters()
+    busy = busy_fractions(before and before.busy, after and after.busy, wall_s)
+    return round_of(results, wall_s, busy, counter, span_means(before, after))
 
 
 def round_of(
@@ -282,6 +300,7 @@ def round_of(
     wall_s: float,
     busy: dict[str, float] | None,
     counter: TokenCounter,
+    spans_ms: dict[str, float] | None = None,
 ) -> Round:
     results = [with_output_tokens(r, counter) for r in results]
     m = compute_metrics(results, wall_s, (50.0, 99.0), None)
@@ -298,6 +317,7 @@ def round_of(
         duration_s=wall_s,
         busy=busy,
         first_error=next((r.error for r in results if r.error), None),
+        spans_ms=spans_ms,
     )
 
 
@@ -339,14 +359,36 @@ def with_output_tokens(result: RequestResult, counter: TokenCounter) -> RequestR
 # ---- engine busy time ------------------------------------------------------------------------
 
 
-def busy_seconds(metrics_text: str) -> dict[str, float]:
-    """Each worker's `tandem:engine_busy_seconds_total` from Prometheus text, keyed by worker."""
-    seconds = {}
+def scrape(metrics_text: str) -> Counters:
+    """Each worker's `tandem:engine_busy_seconds_total`, keyed by worker, and the sum and count
+    of each SPAN_METRICS histogram (over all its workers), from Prometheus text."""
+    busy: dict[str, float] = {}
+    totals = {
+        f"{metric}_{part}": 0.0 for metric in SPAN_METRICS.values() for part in ("sum", "count")
+    }
     for family in text_string_to_metric_families(metrics_text):
         for sample in family.samples:
             if sample.name == BUSY_METRIC:
-                seconds[sample.labels.get("worker", "?")] = sample.value
-    return seconds
+                busy[sample.labels.get("worker", "?")] = sample.value
+            elif sample.name in totals:
+                totals[sample.name] += sample.value
+    spans = {
+        key: (totals[f"{metric}_sum"], totals[f"{metric}_count"])
+        for key, metric in SPAN_METRICS.items()
+    }
+    return Counters(busy, spans)
+
+
+def span_means(before: Counters | None, after: Counters | None) -> dict[str, float] | None:
+    """Each span's mean over the window in ms, where the window counted some; else None."""
+    if before is None or after is None:
+        return None
+    means = {}
+    for key, (total, count) in after.spans.items():
+        start_total, start_count = before.spans.get(key, (0.0, 0.0))
+        if count > start_count:
+            means[key] = 1000 * (total - start_total) / (count - start_count)
+    return means or None
 
 
 def busy_fractions(
@@ -395,9 +437,10 @@ class EngineEndpoint:
                 timing.on_text(output.delta_text, time.perf_counter())
             timing.output_tokens = len(output.token_ids)
 
-    async def busy_seconds(self) -> dict[str, float]:
+    async def counters(self) -> Counters:
         # The engine thread's own step timer: the span the servers' counter covers.
-        return {"engine": float(self.engine.step_fields().get("engine_busy_seconds", 0.0))}
+        seconds = float(self.engine.step_fields().get("engine_busy_seconds", 0.0))
+        return Counters({"engine": seconds}, {})
 
 
 def sampling_params(sampling: SamplingConfig, sample: SampleRequest) -> SamplingParams:
@@ -419,7 +462,7 @@ class HttpEndpoint:
     sampling: SamplingConfig
     base_url: str
     timeout_s: float
-    counts_busy: bool | None = None  # None until /metrics is first read
+    counts: bool | None = None  # None until /metrics is first read
 
     async def send(self, sample: SampleRequest) -> RequestResult:
         payload = build_payload(self.target, sample, self.sampling)
@@ -427,18 +470,18 @@ class HttpEndpoint:
             self.client, self.target, payload, sample.prompt_len, self.timeout_s
         )
 
-    async def busy_seconds(self) -> dict[str, float] | None:
-        if self.counts_busy is False:
+    async def counters(self) -> Counters | None:
+        if self.counts is False:
             return None
         await asyncio.sleep(STATS_SETTLE_S)  # the last requests' steps reach /metrics
         try:
             fetch = _get_text(self.client, self.base_url + "/metrics")
             status, text = await asyncio.wait_for(fetch, METRICS_TIMEOUT_S)
-            seconds = busy_seconds(text) if status == 200 else {}
+            counters = scrape(text) if status == 200 else None
         except (aiohttp.ClientError, TimeoutError, ValueError):  # ValueError: not Prometheus'
-            seconds = {}
-        self.counts_busy = bool(seconds)
-        return seconds or None
+            counters = None
+        self.counts = counters is not None and bool(counters.busy)
+        return counters if self.counts else None
 
 
 async def _get_text(client: aiohttp.ClientSession, url: str) -> tuple[int, str]:
@@ -711,9 +754,10 @@ def run_benchmark(models: dict[str, Path], args: argparse.Namespace, work: Path)
 
 def progress(r: Round) -> str:
     failed = f", {r.failed} failed (first: {r.first_error})" if r.failed else ""
+    spans = "".join(f", {k} {v:.0f} ms" for k, v in (r.spans_ms or {}).items())
     return (
         f"{r.output_tok_s:.1f} tok/s, TTFT p50 {r.ttft_p50_ms:.0f} ms, ITL p50 "
-        f"{r.itl_p50_ms:.1f} ms, joined {r.joined:.0%}, busy {format_busy(r.busy)}{failed}"
+        f"{r.itl_p50_ms:.1f} ms, joined {r.joined:.0%}, busy {format_busy(r.busy)}{spans}{failed}"
     )
 
 
@@ -726,6 +770,11 @@ def summarize(rounds: Sequence[Round], inprocess: Sequence[Round] | None) -> dic
         w: statistics.median(r.busy[w] for r in rounds if r.busy and w in r.busy)
         for w in busy_workers
     }
+    span_keys = [k for k in SPAN_METRICS if any(k in (r.spans_ms or {}) for r in rounds)]
+    spans = {
+        k: statistics.median(r.spans_ms[k] for r in rounds if r.spans_ms and k in r.spans_ms)
+        for k in span_keys
+    }
     return {
         "rounds": len(rounds),
         "output_tok_s": statistics.median(tok_s),
@@ -734,6 +783,7 @@ def summarize(rounds: Sequence[Round], inprocess: Sequence[Round] | None) -> dic
         "vs_inprocess": statistics.median(tok_s) / base if base else None,
         **{key: statistics.median(getattr(r, key) for r in rounds) for key in MEDIAN_KEYS},
         "busy": busy or None,
+        "spans_ms": spans or None,
         "failed": sum(r.failed for r in rounds),
     }
 

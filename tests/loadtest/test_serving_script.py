@@ -30,6 +30,20 @@ tandem:engine_busy_seconds_total{model="m",pool="decode",worker="decode-0"} 10.0
 # HELP tandem:kv_cache_usage_perc Fraction of KV blocks in use (1 = full).
 # TYPE tandem:kv_cache_usage_perc gauge
 tandem:kv_cache_usage_perc{model="m",pool="decode",worker="decode-0"} 0.25
+# HELP tandem:kv_handover_seconds Prefill step's end to first token out.
+# TYPE tandem:kv_handover_seconds histogram
+tandem:kv_handover_seconds_bucket{le="0.1",model="m"} 3.0
+tandem:kv_handover_seconds_bucket{le="+Inf",model="m"} 4.0
+tandem:kv_handover_seconds_count{model="m"} 4.0
+tandem:kv_handover_seconds_sum{model="m"} 0.2
+# HELP tandem:kv_transfer_seconds Duration of one request's KV transfer.
+# TYPE tandem:kv_transfer_seconds histogram
+tandem:kv_transfer_seconds_bucket{le="+Inf",model="m",worker="prefill-0"} 1.0
+tandem:kv_transfer_seconds_count{model="m",worker="prefill-0"} 1.0
+tandem:kv_transfer_seconds_sum{model="m",worker="prefill-0"} 0.05
+tandem:kv_transfer_seconds_bucket{le="+Inf",model="m",worker="prefill-1"} 3.0
+tandem:kv_transfer_seconds_count{model="m",worker="prefill-1"} 3.0
+tandem:kv_transfer_seconds_sum{model="m",worker="prefill-1"} 0.15
 """
 
 
@@ -37,9 +51,19 @@ def make_round(tok_s: float, busy: dict[str, float] | None = None, failed: int =
     return serving.Round(tok_s, 100.0, 200.0, 10.0, 20.0, 0.25, 64, 8, failed, 1.0, busy, None)
 
 
-def test_busy_seconds_reads_the_counter_of_every_worker() -> None:
-    assert serving.busy_seconds(METRICS) == {"prefill-0": 1.5, "decode-0": 10.0}
-    assert serving.busy_seconds("") == {}
+def test_scrape_reads_the_busy_counter_of_every_worker_and_the_span_histograms() -> None:
+    counters = serving.scrape(METRICS)
+    assert counters.busy == {"prefill-0": 1.5, "decode-0": 10.0}
+    assert counters.spans == {"handover": (0.2, 4.0), "transfer": (0.2, 4.0), "exposed": (0, 0)}
+    assert serving.scrape("").busy == {}
+
+
+def test_span_means_are_each_histograms_mean_over_the_window_in_ms() -> None:
+    before = serving.Counters({}, {"handover": (0.2, 4.0), "transfer": (0.2, 4.0)})
+    after = serving.Counters({}, {"handover": (0.5, 10.0), "transfer": (0.2, 4.0)})
+    assert serving.span_means(before, after) == pytest.approx({"handover": 50.0})
+    assert serving.span_means(before, before) is None  # nothing counted in the window
+    assert serving.span_means(None, after) is None
 
 
 def test_busy_fractions_divide_each_workers_increase_by_the_wall_time() -> None:
