@@ -1,15 +1,16 @@
 """Packs what a lent GPU machine needs and lacks into .gpukit/, for deploy/gpu_run.sh there.
 
-    python deploy/gpu_kit.py            # here, with PyPI reachable: ~52 MB in .gpukit/
+    python deploy/gpu_kit.py            # here, with PyPI reachable: ~55 MB in .gpukit/
     device run, carry [".gpukit"]:  bash deploy/gpu_run.sh
 
 That machine reaches no package registry. It has Python 3.12, torch, Triton, transformers,
-safetensors, msgpack, httpx, aiohttp, pytest; it lacks Ray, FastAPI, uvicorn and pydantic, and
-whatever they need beyond its own packages. So this downloads those wheels for CPython 3.12 (the
-versions pinned below are the ones the CPU machine's tests ran with), drops Ray's Java jars
-(32 MB that only Java workers load: the rest of a call's 64 MiB is for the working tree), and
-copies SmolLM2-135M-Instruct's config and tokenizer: the vocabulary of the random-weight model
-benchmarks/serving.py builds there ("gpu-0.5b"), since no model can be downloaded either.
+safetensors, msgpack, httpx, aiohttp, pytest; it lacks Ray, FastAPI, uvicorn and pydantic,
+whatever they need beyond its own packages, and py-spy. So this downloads those wheels for
+CPython 3.12 (the versions pinned below are the ones the CPU machine's tests ran with), drops
+Ray's Java jars (32 MB that only Java workers load: the rest of a call's 64 MiB is for the
+working tree), and copies SmolLM2-135M-Instruct's config and tokenizer: the vocabulary of the
+random-weight model benchmarks/serving.py builds there ("gpu-0.5b"), since no model can be
+downloaded either.
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ WHEELS = (
     "jsonschema-specifications==2025.9.1",
     "referencing==0.37.0",
     "rpds-py==2026.9.1",
+    "py-spy==0.4.3",  # gpu_run.sh's profile step: where 1P1D's workers spend their time
 )
 PLATFORMS = [f"manylinux_2_{n}_x86_64" for n in (17, 24, 27, 28, 31, 34, 35)] + [
     "manylinux2014_x86_64",

@@ -13,7 +13,10 @@
 # weights and SmolLM2's tokenizer, built there from .gpukit/source;
 # eager: the same with --enforce-eager (no CUDA graphs), stepped and colocated, one round;
 # tests: every test marked gpu (the Triton kernels against their torch references, the engine
-# against transformers, CUDA graphs against eager steps, pools sharing the GPU, sampling).
+# against transformers, CUDA graphs against eager steps, pools sharing the GPU, sampling);
+# profile: `tandem serve` 1P1D on the GPU under `tandem bench` (CONCURRENCY's first value), each
+# worker process sampled by py-spy for PROFILE_S seconds (raw folded stacks, idle frames too):
+# where a disaggregated request's time goes there.
 # Each step has a deadline (BENCH_S, EAGER_S, TESTS_S) so that the others keep their time; at
 # it the step gets SIGINT, so pytest still prints its failures so far (a SIGTERM lost them once),
 # and every failure's traceback is in gpu-failures.log as it happens (a test that ignores SIGINT
@@ -61,6 +64,11 @@ for step in $STEPS; do
             --enforce-eager
         status=$((status | $?))
         ;;
+    profile)
+        timeout -s INT -k 20 "${PROFILE_S_TOTAL:-150}" bash deploy/gpu_profile.sh "$OUT" \
+            2>&1 | tee "$OUT/profile.log"
+        status=$((status | PIPESTATUS[0]))
+        ;;
     tests)
         mapfile -t files < <(grep -rl "mark.gpu" tests)
         # each failure's traceback lands in gpu-failures.log at once (tests/conftest.py)
@@ -71,7 +79,7 @@ for step in $STEPS; do
         status=$((status | PIPESTATUS[0]))
         ;;
     *)
-        echo "gpu_run: unknown step $step (bench, eager, tests)" >&2
+        echo "gpu_run: unknown step $step (bench, eager, profile, tests)" >&2
         exit 2
         ;;
     esac
