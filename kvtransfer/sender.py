@@ -1,11 +1,10 @@
 """KVSender: the prefill side of KV transfer. One thread sends queued frames in order.
 
 The compute thread packs layer l of a step's chunks on a channel into one buffer of its own
-(kvtransfer/legs.py) and queues it; this thread
-sends it while the compute thread runs layer l+1. On CUDA it works on a stream of its own,
-ordered after the event recorded after the pack (so nothing is sent before it is written) and
-after nothing else the compute thread queued (kvtransfer/streams.py). Channels open lazily per
-ticket key.
+(kvtransfer/legs.py) and queues it; this thread sends it while the compute thread runs layer
+l+1. On CUDA it works on a stream of its own, ordered after the event recorded after the pack
+(so nothing is sent before it is written) and after nothing else the compute thread queued
+(kvtransfer/streams.py). Channels open lazily per ticket key.
 """
 
 from __future__ import annotations
