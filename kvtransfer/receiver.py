@@ -47,6 +47,12 @@ from kvtransfer.wire import AbortFrame, DoneFrame, PostedFrame, StepFrame
 from protocol.kv import Route, base_key
 
 log = logging.getLogger(__name__)
+# How long a new channel waits for its prefill peer to connect. Longer than a transfer's
+# deadline: the peer's one sender thread may be waiting out a dead channel's deadline first, and
+# a channel given up at the same deadline fails every request on it, whose retries then wait
+# behind the sender's connect to the key given up (a chain of such deadlines failed a killed
+# decode worker's requests four times over). Requests waiting on it still expire on their leases.
+ACCEPT_WAIT_S = 60.0
 
 
 class Arrived(NamedTuple):
@@ -243,7 +249,8 @@ class KVReceiver:
         use_own_stream(self.kv_caches[0][0].device)
         channel, posted = None, None
         try:
-            channel = self.transport.accept(self.rendezvous.client(), key, self.timeout)
+            wait = max(self.timeout, ACCEPT_WAIT_S)
+            channel = self.transport.accept(self.rendezvous.client(), key, wait)
             posted = PostedFrame(channel)
             spare = StagingBuffers()
             while True:

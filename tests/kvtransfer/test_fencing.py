@@ -163,3 +163,60 @@ def test_an_attempt_given_up_by_one_decode_worker_never_writes_there_again(name:
         sender.close()
         for transport in transports:
             close_transport(transport)
+
+
+@pytest.mark.parametrize("name", TRANSPORTS)
+def test_a_forgotten_requests_part_of_a_shared_payload_is_dropped_and_the_rest_land(
+    name: str,
+) -> None:
+    """One payload a layer carries a step's three requests back to back; the decode side forgot
+    the middle one before they came. Each other part lands in its own request's slots (their
+    digests fold from their own parts, so both arrive), the forgotten one's never does."""
+    transports = [transport_named(name) for _ in range(2)]  # decode, prefill
+    shape = (8, 4, LAYOUT.kv_heads, LAYOUT.head_dim)  # 8 blocks of 4 tokens
+    caches = [(torch.zeros(shape), torch.zeros(shape)) for _ in range(LAYOUT.num_layers)]
+    events = Events()
+    rendezvous = Rendezvous("127.0.0.1")
+    receiver = KVReceiver(transports[0], rendezvous, caches, "d0", events.add, TIMEOUT)
+    sender = KVSender(transports[1], TIMEOUT, lambda *report: None)
+    key = receiver.channel_key("p0")
+    sizes = {"a": 3, "b": 5, "c": 2}
+    slots = {"a": [0, 1, 2], "b": [4, 5, 6, 7, 8], "c": [12, 13]}
+    tickets = {
+        r: Ticket(r, "d0", rendezvous.endpoint, key, 0, n, LAYOUT, TIMEOUT)
+        for r, n in sizes.items()
+    }
+    try:
+        for request_id, ticket in tickets.items():
+            receiver.expect(request_id, ticket.channel_key, slots[request_id], 0)
+        receiver.forget("b")  # aborted before its KV came
+        sender.send_step([(t, 0, t.num_tokens) for t in tickets.values()], LAYOUT.num_layers)
+        value = {"a": 1.0, "b": 2.0, "c": 3.0}
+        for layer in range(LAYOUT.num_layers):
+            parts = [
+                torch.full((2, n, LAYOUT.kv_heads, LAYOUT.head_dim), value[r] + 10 * layer)
+                for r, n in sizes.items()
+            ]
+            sender.send_layer(
+                [(t, t.num_tokens) for t in tickets.values()], layer, torch.cat(parts, dim=1)
+            )
+        for token, ticket in enumerate(tickets.values()):
+            sender.send_done(ticket, token, None)
+        token_bytes = 2 * LAYOUT.kv_heads * LAYOUT.head_dim * 4
+        for request_id in ("a", "c"):
+            arrived = events.wait_for(request_id)
+            assert isinstance(arrived, Arrived)
+            assert arrived.bytes_received == LAYOUT.num_layers * sizes[request_id] * token_bytes
+        _wait_until(lambda: receiver.stale_frames == LAYOUT.num_layers + 1)  # b's parts, done
+        for layer, (key_cache, value_cache) in enumerate(caches):
+            for cache in (key_cache, value_cache):
+                rows = cache.reshape(-1, LAYOUT.kv_heads, LAYOUT.head_dim)
+                for request_id in ("a", "c"):
+                    got = rows[slots[request_id]]
+                    assert torch.equal(got, torch.full_like(got, value[request_id] + 10 * layer))
+                assert not rows[slots["b"]].any()
+        assert sorted(e.request_id for e in events.items) == ["a", "c"]
+    finally:
+        sender.close()
+        for transport in transports:
+            close_transport(transport)
