@@ -3,9 +3,9 @@ fails before a single token is decoded from it.
 
 Each part of a payload (one layer of one request chunk; a payload carries a step's chunks on one
 channel back to back) gets a checksum where it is packed and again where it is unpacked: the
-64-bit sum of its bytes read as int32 words. One flipped bit changes a word
-by a power of two, so it always changes the sum (no int64 overflow below 2**32 words); a lost or
-truncated payload fails the byte count first. It is one read of the payload, a plain reduction
+64-bit sum of its bytes read as int32 words. One flipped bit changes a word by a power of two,
+so it always changes the sum (no int64 overflow below 2**32 words); a lost or truncated payload
+fails the byte count first. It is one read of the payload for all its parts, a plain reduction
 that runs where the payload lives (on a GPU: on the GPU). It does not catch two words swapped.
 
 A request's part sums fold into one digest in send order (layer by layer, step by step), which
