@@ -57,7 +57,7 @@ import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
@@ -155,6 +155,7 @@ SPAN_METRICS = {  # disaggregated targets: where a request's first token waits, 
     "transfer": "tandem:kv_transfer_seconds",  # a request's KV transfer, first layer to done
     "exposed": "tandem:kv_transfer_exposed_seconds",  # of it, after the prefill step ended
 }
+SPAN_SKIPS_POOL = "decode"  # its workers time the same transfers from their side: not counted
 STATS_SETTLE_S = 2.5  # the coordinator refreshes worker stats every second
 START_TIMEOUT_S = 300.0
 STOP_TIMEOUT_S = 60.0
@@ -361,7 +362,7 @@ def with_output_tokens(result: RequestResult, counter: TokenCounter) -> RequestR
 
 def scrape(metrics_text: str) -> Counters:
     """Each worker's `tandem:engine_busy_seconds_total`, keyed by worker, and the sum and count
-    of each SPAN_METRICS histogram (over all its workers), from Prometheus text."""
+    of each SPAN_METRICS histogram (over its workers but decode ones), from Prometheus text."""
     busy: dict[str, float] = {}
     totals = {
         f"{metric}_{part}": 0.0 for metric in SPAN_METRICS.values() for part in ("sum", "count")
@@ -370,7 +371,7 @@ def scrape(metrics_text: str) -> Counters:
         for sample in family.samples:
             if sample.name == BUSY_METRIC:
                 busy[sample.labels.get("worker", "?")] = sample.value
-            elif sample.name in totals:
+            elif sample.name in totals and sample.labels.get("pool") != SPAN_SKIPS_POOL:
                 totals[sample.name] += sample.value
     spans = {
         key: (totals[f"{metric}_sum"], totals[f"{metric}_count"])
@@ -765,16 +766,8 @@ def summarize(rounds: Sequence[Round], inprocess: Sequence[Round] | None) -> dic
     """Medians over rounds (tok/s with its min and max), and served / in-process tok/s."""
     tok_s = [r.output_tok_s for r in rounds]
     base = statistics.median(r.output_tok_s for r in inprocess) if inprocess else None
-    busy_workers = sorted({w for r in rounds for w in (r.busy or {})})
-    busy = {
-        w: statistics.median(r.busy[w] for r in rounds if r.busy and w in r.busy)
-        for w in busy_workers
-    }
-    span_keys = [k for k in SPAN_METRICS if any(k in (r.spans_ms or {}) for r in rounds)]
-    spans = {
-        k: statistics.median(r.spans_ms[k] for r in rounds if r.spans_ms and k in r.spans_ms)
-        for k in span_keys
-    }
+    busy = medians([r.busy for r in rounds], sorted({w for r in rounds for w in (r.busy or {})}))
+    spans = medians([r.spans_ms for r in rounds], SPAN_METRICS)
     return {
         "rounds": len(rounds),
         "output_tok_s": statistics.median(tok_s),
@@ -785,6 +778,16 @@ def summarize(rounds: Sequence[Round], inprocess: Sequence[Round] | None) -> dic
         "busy": busy or None,
         "spans_ms": spans or None,
         "failed": sum(r.failed for r in rounds),
+    }
+
+
+def medians(per_round: Sequence[dict[str, float] | None], keys: Iterable[str]) -> dict:
+    """Each key's median over the rounds that have it, for the keys some round has."""
+    have = [d for d in per_round if d]
+    return {
+        k: statistics.median(d[k] for d in have if k in d)
+        for k in keys
+        if any(k in d for d in have)
     }
 
 

@@ -31,7 +31,7 @@ class LegChunk(NamedTuple):
 
     ticket: Ticket
     heads: range
-    slots: torch.Tensor  # [n] int64 slot ids
+    slots: list[int]
 
 
 class ChannelStep(NamedTuple):
@@ -45,7 +45,7 @@ class ChannelStep(NamedTuple):
     @property
     def parts(self) -> list[tuple[Ticket, int]]:
         """(ticket, tokens) per leg: how the payload divides."""
-        return [(leg.ticket, leg.slots.numel()) for leg in self.legs]
+        return [(leg.ticket, len(leg.slots)) for leg in self.legs]
 
 
 def announce(
@@ -60,20 +60,20 @@ def announce(
     returns them per channel, in the order their payloads follow each layer."""
     by_channel: dict[str, list[tuple[LegChunk, int]]] = {}
     for chunk in chunks:
-        slots = torch.tensor(chunk.slots, dtype=torch.int64, device=device)
         for leg, route in chunk.ticket.legs(rank):
             heads = range(route.head_start - kv_head_start, route.head_stop - kv_head_start)
             by_channel.setdefault(leg.channel_key, []).append(
-                (LegChunk(leg, heads, slots), chunk.start)
+                (LegChunk(leg, heads, chunk.slots), chunk.start)
             )
     steps: list[ChannelStep] = []
     for key, entries in by_channel.items():
         legs = [leg for leg, _ in entries]
         if len({leg.heads for leg in legs}) != 1:
             raise ValueError(f"legs on channel {key} carry different heads")
-        announced = [(leg.ticket, start, leg.slots.numel()) for leg, start in entries]
+        announced = [(leg.ticket, start, len(leg.slots)) for leg, start in entries]
         sender.send_step(announced, num_layers)
-        slots = torch.cat([leg.slots for leg in legs]) if len(legs) > 1 else legs[0].slots
+        # one copy to the device per channel and step (on a GPU, each is a wait for it)
+        slots = torch.tensor([s for leg in legs for s in leg.slots], device=device)
         steps.append(ChannelStep(legs, slots, legs[0].heads))
     return steps
 

@@ -44,6 +44,9 @@ tandem:kv_transfer_seconds_sum{model="m",worker="prefill-0"} 0.05
 tandem:kv_transfer_seconds_bucket{le="+Inf",model="m",worker="prefill-1"} 3.0
 tandem:kv_transfer_seconds_count{model="m",worker="prefill-1"} 3.0
 tandem:kv_transfer_seconds_sum{model="m",worker="prefill-1"} 0.15
+tandem:kv_transfer_seconds_bucket{le="+Inf",model="m",pool="decode",worker="decode-0"} 4.0
+tandem:kv_transfer_seconds_count{model="m",pool="decode",worker="decode-0"} 4.0
+tandem:kv_transfer_seconds_sum{model="m",pool="decode",worker="decode-0"} 0.9
 """
 
 
@@ -54,6 +57,7 @@ def make_round(tok_s: float, busy: dict[str, float] | None = None, failed: int =
 def test_scrape_reads_the_busy_counter_of_every_worker_and_the_span_histograms() -> None:
     counters = serving.scrape(METRICS)
     assert counters.busy == {"prefill-0": 1.5, "decode-0": 10.0}
+    # the decode worker's view of the same transfers is left out
     assert counters.spans == {"handover": (0.2, 4.0), "transfer": (0.2, 4.0), "exposed": (0, 0)}
     assert serving.scrape("").busy == {}
 
