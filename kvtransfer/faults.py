@@ -28,7 +28,7 @@ from protocol.kv import Endpoint
 class Fault(enum.Enum):
     DROP = "drop"  # lost on the wire: it takes its message number but never arrives
     CORRUPT = "corrupt"  # one bit flipped on the wire
-    DELAY = "delay"  # sent `delay` seconds late (the sender thread sleeps)
+    DELAY = "delay"  # sent `delay` seconds late (the channel's sender lane sleeps)
     DUPLICATE = "duplicate"  # arrives twice (the second copy under the same message number)
     CUT = "cut"  # the channel closes before the payload
 

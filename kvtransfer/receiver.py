@@ -48,10 +48,8 @@ from protocol.kv import Route, base_key
 
 log = logging.getLogger(__name__)
 # How long a new channel waits for its prefill peer to connect. Longer than a transfer's
-# deadline: the peer's one sender thread may be waiting out a dead channel's deadline first, and
-# a channel given up at the same deadline fails every request on it, whose retries then wait
-# behind the sender's connect to the key given up (a chain of such deadlines failed a killed
-# decode worker's requests four times over). Requests waiting on it still expire on their leases.
+# deadline: dialling may be slow (a store that answers late), and a channel given up fails every
+# request on it. Requests waiting on it still expire on their leases.
 ACCEPT_WAIT_S = 60.0
 
 

@@ -1,10 +1,17 @@
-"""KVSender: the prefill side of KV transfer. One thread sends queued frames in order.
+"""KVSender: the prefill side of KV transfer. Each channel has a lane: a thread of its own that
+opens the channel and sends its queued frames in order.
 
 The compute thread packs layer l of a step's chunks on a channel into one buffer of its own
-(kvtransfer/legs.py) and queues it; this thread sends it while the compute thread runs layer
-l+1. On CUDA it works on a stream of its own, ordered after the event recorded after the pack
-(so nothing is sent before it is written) and after nothing else the compute thread queued
-(kvtransfer/streams.py). Channels open lazily per ticket key.
+(kvtransfer/legs.py) and queues it on that channel's lane; the lane sends it while the compute
+thread runs layer l+1. On CUDA a lane works on a stream of its own, ordered after the event
+recorded after the pack (so nothing is sent before it is written) and after nothing else the
+compute thread queued (kvtransfer/streams.py).
+
+Lanes keep channels apart: a peer that is slow, dead or still connecting holds up only its own
+channel. (With one thread for every channel, a connect to a decode worker killed a moment before
+held every other decode worker's transfers for the connect's whole deadline, and their requests
+expired one lease after another.) A lane whose channel broke fails what is queued on it and
+exits; anything sent on that key later fails at once.
 """
 
 from __future__ import annotations
@@ -27,8 +34,8 @@ from kvtransfer.wire import AbortFrame, DoneFrame, Frame, StepFrame, encode_fram
 from protocol.kv import Ticket
 
 log = logging.getLogger(__name__)
-REMEMBERED_FAILURES = 10_000
-WINDOW = 8  # sends in flight at once: the wire never waits for the next post
+REMEMBERED = 10_000  # failed requests and broken channel keys, the most recent
+WINDOW = 8  # sends in flight at once on a channel: the wire never waits for the next post
 
 
 @dataclass
@@ -80,7 +87,7 @@ class _SendLayer(NamedTuple):
 
 
 class _Stop:
-    """Tells the sender thread to retire what is in flight and exit."""
+    """Tells a lane to retire what is in flight and exit."""
 
 
 Job = _OpenChannel | _SendFrame | _SendLayer
@@ -91,93 +98,196 @@ SendCallback = Callable[[str, SendRecord, TransferError | None], None]
 
 class KVSender:
     def __init__(self, transport: Transport, timeout: float, on_finished: SendCallback) -> None:
-        """`on_finished(request_id, record, error)` runs on the sender thread once each of a
+        """`on_finished(request_id, record, error)` runs on a lane's thread once each of a
         request's done frames is sent (error None; one per leg, `record.channel_key` says
-        which), or once if its transfer failed."""
+        which), or once if its transfer failed (on the calling thread if its channel had
+        broken before)."""
         self.transport = transport
         self.timeout = timeout
         self.on_finished = on_finished
-        self._jobs: queue.SimpleQueue[Job | _Stop] = queue.SimpleQueue()
-        self._channels: dict[str, Channel] = {}
-        self._dead_keys: set[str] = set()
+        self._lock = threading.Lock()  # the lanes, the records and the failures
+        self._lanes: dict[str, _Lane] = {}  # channel key -> its lane
+        self._closed = False
+        self._broken: OrderedDict[str, None] = OrderedDict()  # keys whose lane has exited
         self._records: dict[tuple[str, str], SendRecord] = {}  # (request id, channel key)
         self._failed: OrderedDict[str, None] = OrderedDict()  # recent failures, bounded
-        self._inflight: deque[tuple[Pending, _SendFrame | _SendLayer, float]] = deque()
-        self._thread = threading.Thread(target=self._run, name="tandem-kv-sender", daemon=True)
-        self._thread.start()
 
     def open(self, ticket: Ticket) -> None:
         """Starts opening the ticket's channel now, so the first layer does not wait for it."""
-        self._jobs.put(_OpenChannel(ticket))
+        self._put(_OpenChannel(ticket))
 
     def send_step(self, chunks: list[tuple[Ticket, int, int]], num_layers: int) -> None:
         """Announces a step's chunks (ticket, start, num_tokens), all on one channel; their
         payloads follow layer by layer through send_layer, in this order."""
         entries = [(ticket.request_id, start, n) for ticket, start, n in chunks]
-        self._jobs.put(_SendFrame(chunks[0][0], StepFrame(entries, num_layers)))
+        self._put(_SendFrame(chunks[0][0], StepFrame(entries, num_layers)))
 
     def send_layer(
         self, parts: list[tuple[Ticket, int]], layer: int, payload: torch.Tensor, ready=None
     ) -> None:
         """One layer of the step's chunks `parts` (ticket, tokens), in the order announced,
         back to back in `payload` (kvtransfer/legs.py)."""
-        self._jobs.put(_SendLayer(parts, layer, payload, ready))
+        self._put(_SendLayer(parts, layer, payload, ready))
 
     def send_done(self, ticket: Ticket, token_id: int, logprobs) -> None:
         top = [list(pair) for pair in logprobs.top] if logprobs is not None else None
         logprob = logprobs.logprob if logprobs is not None else None
-        self._jobs.put(_SendFrame(ticket, DoneFrame(ticket.request_id, token_id, logprob, top)))
+        self._put(_SendFrame(ticket, DoneFrame(ticket.request_id, token_id, logprob, top)))
 
     def send_abort(self, ticket: Ticket, reason: str) -> None:
-        self._jobs.put(_SendFrame(ticket, AbortFrame(ticket.request_id, reason)))
+        self._put(_SendFrame(ticket, AbortFrame(ticket.request_id, reason)))
 
     def close(self, timeout: float = 5.0) -> None:
-        """Stops after the queued jobs; waits up to `timeout` s (the sends go on in the
-        background after that: they read only their own packed buffers)."""
-        self._jobs.put(_Stop())
-        self._thread.join(timeout=timeout)
+        """Stops every lane after its queued jobs; waits up to `timeout` s in all (the sends go
+        on in the background after that: they read only their own packed buffers)."""
+        with self._lock:
+            self._closed = True
+            lanes = list(self._lanes.values())
+        for lane in lanes:
+            lane.jobs.put(_Stop())
+        deadline = time.monotonic() + timeout
+        for lane in lanes:
+            lane.thread.join(timeout=max(0.0, deadline - time.monotonic()))
+
+    # -- any thread ------------------------------------------------------------------------
+
+    def _put(self, job: Job) -> None:
+        key = job.ticket.channel_key
+        with self._lock:
+            if self._closed:
+                return  # as if queued behind the stop: never sent
+            broke = key in self._broken
+            if not broke:
+                lane = self._lanes.get(key)
+                if lane is None:
+                    lane = self._lanes[key] = _Lane(self, key)
+                lane.jobs.put(job)
+        if broke:
+            self._refuse(job, TransferError(f"channel {key} broke earlier"))
+
+    def _retire(self, lane: _Lane) -> bool:
+        """Takes a broken lane out of service if nothing is queued on it (True: it may exit);
+        later jobs for its key fail at once."""
+        with self._lock:
+            if not lane.jobs.empty():
+                return False
+            del self._lanes[lane.key]
+            self._broken[lane.key] = None
+            if len(self._broken) > REMEMBERED:
+                self._broken.popitem(last=False)
+            return True
+
+    def _refuse(self, job: Job, err: TransferError) -> None:
+        """A job on a broken channel: its requests fail, unless they failed already. A step
+        frame speaks for several requests: each fails on its own next job instead."""
+        if isinstance(job, _SendFrame) and isinstance(job.frame, StepFrame):
+            return
+        for ticket, _ in job.parts:
+            self._fail(ticket.request_id, err)
+
+    def _record(self, ticket: Ticket) -> SendRecord:
+        """The leg's record, new at its first send; a failed request's is a throwaway (kept,
+        it would never be popped)."""
+        with self._lock:
+            if ticket.request_id in self._failed:
+                return SendRecord(channel_key=ticket.channel_key)
+            return self._records.setdefault(
+                _leg(ticket), SendRecord(channel_key=ticket.channel_key)
+            )
+
+    def _has_failed(self, request_id: str) -> bool:
+        with self._lock:
+            return request_id in self._failed
+
+    def _complete(self, ticket: Ticket, last: DoneFrame | AbortFrame) -> None:
+        request_id = ticket.request_id
+        with self._lock:
+            record = self._records.pop(_leg(ticket), None)
+            if record is None or request_id in self._failed:
+                return
+        record.finished = time.monotonic()
+        error = TransferError(last.reason) if isinstance(last, AbortFrame) else None
+        self.on_finished(request_id, record, error)
+
+    def _fail(self, request_id: str, err: TransferError) -> None:
+        """Reports the request failed, once: its legs on every channel are dropped."""
+        with self._lock:
+            if request_id in self._failed:
+                return
+            legs = [leg for leg in self._records if leg[0] == request_id]
+            record = SendRecord()
+            for leg in legs:
+                record = self._records.pop(leg)
+            self._failed[request_id] = None
+            if len(self._failed) > REMEMBERED:
+                self._failed.popitem(last=False)
+        self.on_finished(request_id, record, err)
+
+
+class _Lane:
+    """One channel's thread: opens the channel, posts its jobs in order with up to WINDOW sends
+    in flight, and waits for each (oldest first) within the sender's deadline."""
+
+    def __init__(self, sender: KVSender, key: str) -> None:
+        self.sender = sender
+        self.key = key
+        self.jobs: queue.SimpleQueue[Job | _Stop] = queue.SimpleQueue()
+        self.channel: Channel | None = None
+        self.broken: TransferError | None = None
+        self._inflight: deque[tuple[Pending, _SendFrame | _SendLayer, float]] = deque()
+        self.thread = threading.Thread(target=self._run, name=f"kv-send-{key}", daemon=True)
+        self.thread.start()
 
     def _run(self) -> None:
-        while not isinstance(job := self._jobs.get(), _Stop):
+        while True:
+            if self.broken is not None and self.jobs.empty() and self.sender._retire(self):
+                break
+            job = self.jobs.get()
+            if isinstance(job, _Stop):
+                break
             self._handle(job)
             # Nothing else to post: retire sends oldest first, looking for new jobs after each,
             # so a job that arrives meanwhile is posted behind what is in flight, not after it.
-            while self._inflight and self._jobs.empty():
+            while self._inflight and self.jobs.empty():
                 self._drain(len(self._inflight) - 1)
         self._drain(0)
 
     def _handle(self, job: Job) -> None:
+        sender = self.sender
+        if self.broken is not None:
+            sender._refuse(job, self.broken)
+            return
         match job:
             case _SendFrame(ticket, DoneFrame() | AbortFrame() as last):
-                if ticket.request_id in self._failed:
+                if sender._has_failed(ticket.request_id):
                     return  # its failure was reported already
                 if isinstance(last, DoneFrame) and ticket.verify:
                     # Every payload of the request was posted before its done frame.
-                    record = self._records.get(_leg(ticket), SendRecord())
-                    job = _SendFrame(ticket, last._replace(digest=record.digest))
+                    job = _SendFrame(ticket, last._replace(digest=sender._record(ticket).digest))
                 if self._start(job):
                     self._drain(0)
-                    self._complete(ticket, last)
+                    sender._complete(ticket, last)
             case _:
                 self._start(job)
 
     def _start(self, job: Job) -> bool:
-        """Opens the job's channel and posts what it sends; False if that failed (reported)."""
+        """Opens the channel and posts what the job sends; False if that failed (reported)."""
         try:
-            channel = self._channel(job.ticket)
+            if self.channel is None:
+                ticket = job.ticket
+                self.channel = self.sender.transport.connect(
+                    ticket.rendezvous, self.key, self.sender.timeout
+                )
             if not isinstance(job, _OpenChannel):
-                self._post(channel, job)
+                self._post(job)
         except TransferError as err:
-            self._fail_job(job, err)
+            self._break(job, err)
             return False
         return True
 
-    def _post(self, channel: Channel, job: _SendFrame | _SendLayer) -> None:
+    def _post(self, job: _SendFrame | _SendLayer) -> None:
         """Posts the frame or payload without waiting, keeping at most WINDOW in flight."""
-        records = [
-            self._records.setdefault(_leg(ticket), SendRecord(channel_key=ticket.channel_key))
-            for ticket, _ in job.parts
-        ]
+        records = [self.sender._record(ticket) for ticket, _ in job.parts]
         start = time.monotonic()
         match job:
             case _SendFrame(frame=frame):
@@ -193,23 +303,21 @@ class KVSender:
                         record.digest = fold(record.digest, sums[index])
                 tensors = [payload]
         for tensor in tensors:
-            self._inflight.append((channel.send_async(tensor), job, start))
+            self._inflight.append((self.channel.send_async(tensor), job, start))
         self._drain(WINDOW)
 
     def _drain(self, keep: int) -> None:
         while len(self._inflight) > keep:
             pending, job, start = self._inflight.popleft()
-            key = job.ticket.channel_key
-            if key in self._dead_keys:
-                # Its channel broke on an earlier send (a peer killed mid-transfer): waiting here
-                # would time out again, once per send in flight, and hold every other channel's
-                # transfers behind this thread for that long.
-                self._fail_quietly(job, TransferError(f"channel {key} broke earlier"))
+            if self.broken is not None:
+                # The channel broke on an earlier send (a peer killed mid-transfer): waiting here
+                # would time out again, once per send in flight.
+                self.sender._refuse(job, self.broken)
                 continue
             try:
-                pending.wait(self.timeout)
+                pending.wait(self.sender.timeout)
             except TransferError as err:
-                self._fail_job(job, err)
+                self._break(job, err)
                 continue
             if isinstance(job, _SendLayer):
                 self._sent(job, start)
@@ -218,58 +326,19 @@ class KVSender:
         end = time.monotonic()
         token_bytes = job.payload[:, :1].numel() * job.payload.element_size()
         for ticket, tokens in job.parts:
-            record = self._records.get(_leg(ticket))
-            if record is not None:
-                record.bytes_sent += tokens * token_bytes
-                record.layer_sends.append((job.layer, start, end))
+            record = self.sender._record(ticket)
+            record.bytes_sent += tokens * token_bytes
+            record.layer_sends.append((job.layer, start, end))
 
-    def _complete(self, ticket: Ticket, last: DoneFrame | AbortFrame) -> None:
-        request_id = ticket.request_id
-        record = self._records.pop(_leg(ticket), None)
-        if record is None or request_id in self._failed:
-            return
-        record.finished = time.monotonic()
-        error = TransferError(last.reason) if isinstance(last, AbortFrame) else None
-        self.on_finished(request_id, record, error)
-
-    def _fail_job(self, job: Job, err: TransferError) -> None:
+    def _break(self, job: Job, err: TransferError) -> None:
+        """The channel is broken for good: the job's requests fail, and so does every job
+        still in flight or queued on it."""
         ids = ", ".join(ticket.request_id for ticket, _ in job.parts)
         log.warning("KV transfer of %s to %s failed: %s", ids, job.ticket.decode_id, err)
-        self._drop_channel(job.ticket.channel_key)
-        self._fail_quietly(job, err)
-
-    def _fail_quietly(self, job: Job, err: TransferError) -> None:
-        """Fails the job's requests unless they failed already. A step frame speaks for several
-        requests: each fails on its own next job instead."""
-        if isinstance(job, _SendFrame) and isinstance(job.frame, StepFrame):
-            return
-        for ticket, _ in job.parts:
-            if ticket.request_id not in self._failed:
-                self._fail(ticket.request_id, err)
-
-    def _channel(self, ticket: Ticket) -> Channel:
-        key = ticket.channel_key
-        if key in self._dead_keys:
-            raise TransferError(f"channel {key} broke earlier")
-        if key not in self._channels:
-            self._channels[key] = self.transport.connect(ticket.rendezvous, key, self.timeout)
-        return self._channels[key]
-
-    def _drop_channel(self, key: str) -> None:
-        self._dead_keys.add(key)
-        channel = self._channels.pop(key, None)
-        if channel is not None:
-            channel.close()
-
-    def _fail(self, request_id: str, err: TransferError) -> None:
-        legs = [leg for leg in self._records if leg[0] == request_id]
-        record = SendRecord()
-        for leg in legs:
-            record = self._records.pop(leg)
-        self._failed[request_id] = None
-        if len(self._failed) > REMEMBERED_FAILURES:
-            self._failed.popitem(last=False)
-        self.on_finished(request_id, record, err)
+        self.broken = TransferError(f"channel {self.key} broke earlier")
+        if self.channel is not None:
+            self.channel.close()
+        self.sender._refuse(job, err)
 
 
 def _leg(ticket: Ticket) -> tuple[str, str]:

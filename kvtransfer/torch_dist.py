@@ -14,7 +14,7 @@ import datetime
 import torch
 from torch.distributed import PrefixStore, Store, TCPStore
 
-from kvtransfer.transport import TransferError, register
+from kvtransfer.transport import TransferError, dial_store, register
 from protocol.kv import Endpoint
 
 SENDER, RECEIVER = 0, 1
@@ -97,13 +97,7 @@ class TorchDistTransport:
         self.device = device
 
     def connect(self, rendezvous: Endpoint, key: str, timeout: float) -> ProcessGroupChannel:
-        try:
-            store = TCPStore(
-                rendezvous.host, rendezvous.port, is_master=False, timeout=_seconds(timeout)
-            )
-        except RuntimeError as err:
-            raise TransferError(f"cannot reach the rendezvous at {rendezvous}: {err}") from err
-        return self._open(store, key, SENDER, timeout)
+        return self._open(dial_store(rendezvous, timeout), key, SENDER, timeout)
 
     def accept(self, rendezvous: TCPStore, key: str, timeout: float) -> ProcessGroupChannel:
         return self._open(rendezvous, key, RECEIVER, timeout)

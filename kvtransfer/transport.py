@@ -15,6 +15,7 @@ Contract every backend keeps:
 from __future__ import annotations
 
 import datetime
+import socket
 from collections.abc import Callable
 from typing import Protocol
 
@@ -83,6 +84,23 @@ class Rendezvous:
             is_master=False,
             timeout=datetime.timedelta(seconds=30),
         )
+
+
+def dial_store(rendezvous: Endpoint, timeout: float) -> TCPStore:
+    """A client of a decode worker's rendezvous store. The store of a worker that is gone
+    refuses at once, but TCPStore retries a refusal for more than twice `timeout` (each try
+    waits out the whole timeout), so a plain connection asks first."""
+    seconds = max(timeout, 0.001)
+    try:
+        socket.create_connection((rendezvous.host, rendezvous.port), seconds).close()
+        return TCPStore(
+            rendezvous.host,
+            rendezvous.port,
+            is_master=False,
+            timeout=datetime.timedelta(seconds=seconds),
+        )
+    except (OSError, RuntimeError) as err:
+        raise TransferError(f"cannot reach the rendezvous at {rendezvous}: {err}") from err
 
 
 TRANSPORTS: dict[str, Callable[[torch.device], Transport]] = {}

@@ -24,7 +24,6 @@ pin shared memory or TCP (the tests and the benchmark run both).
 from __future__ import annotations
 
 import contextlib
-import datetime
 import os
 import socket
 import struct
@@ -34,7 +33,7 @@ import msgpack
 import torch
 from torch.distributed import TCPStore
 
-from kvtransfer.transport import TransferError, register
+from kvtransfer.transport import TransferError, dial_store, register
 from kvtransfer.ucx_worker import GRACE, UcxWorker
 from protocol.kv import Endpoint
 
@@ -223,15 +222,10 @@ class UcxTransport:
 
 
 def _read_offer(rendezvous: Endpoint, key: str, timeout: float) -> dict:
+    store = dial_store(rendezvous, timeout)
     try:
-        store = TCPStore(
-            rendezvous.host,
-            rendezvous.port,
-            is_master=False,
-            timeout=datetime.timedelta(seconds=max(timeout, 0.001)),
-        )
         return msgpack.unpackb(store.get(f"{key}/ucx"))
-    except RuntimeError as err:  # unreachable store, or no accept in time
+    except RuntimeError as err:  # no accept in time
         raise TransferError(f"channel {key!r}: no offer at {rendezvous}: {err}") from err
 
 

@@ -13,7 +13,7 @@ batch; each sends the routes from its own rank (worker/rank_roles.py), and this 
 those from rank 0. The report waits for this rank's legs; a follower's failed leg fails the
 transfer on the decode side.
 
-Threads: the engine thread owns the engine and every field below; the sender thread reports a
+Threads: the engine thread owns the engine and every field below; a sender lane reports a
 finished transfer by submitting `_transfer_finished` to the engine thread, never by touching
 state itself. A plain class (no Ray); `worker.actor` wraps it.
 """
@@ -292,7 +292,7 @@ class PrefillWorker:
         for request_id, entry in pending.items():
             entry.on_result(request_id, RuntimeError(f"prefill worker crashed: {err}"))
 
-    # -- sender thread ---------------------------------------------------------------------
+    # -- a sender lane (or the caller, on a channel broken earlier) ------------------------
 
     def _on_sent(self, request_id: str, record: SendRecord, error: TransferError | None) -> None:
         self.thread.submit(self._transfer_finished, request_id, record, error)

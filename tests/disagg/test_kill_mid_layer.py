@@ -15,9 +15,9 @@ from tests.disagg.test_failures import assert_all_blocks_free
 from tests.disagg.test_self_healing import HEAL_TIMEOUT_S, run_with, serving, wait_for
 
 SLOW_SENDS = "delay,delay=0.1,every"  # every KV payload leaves 0.1 s late
-# A send to the killed decode worker holds the prefill worker's one sender thread until its
-# deadline, once (the other sends in flight on that channel are then dropped unwaited); sends
-# are not yet abandoned as soon as their peer dies, so keep the deadline short.
+# A send to the killed decode worker holds its channel's sender lane until its deadline, once
+# (the other sends in flight on that channel are then dropped unwaited); sends are not yet
+# abandoned as soon as their peer dies, so keep the deadline short.
 TRANSFER_TIMEOUT_S = 5.0
 
 

@@ -77,17 +77,23 @@ class FakeTransport:
         on_post: bool = False,
         refuse: frozenset[str] = frozenset(),
         hang: frozenset[str] = frozenset(),
+        slow_connect: dict[str, float] | None = None,
     ) -> None:
-        """`hang` keys: every send on them hangs until the sender's deadline."""
+        """`hang` keys: every send on them hangs until the sender's deadline; `slow_connect`
+        keys take that many seconds to refuse (a decode worker killed as it was dialled)."""
         self.break_at = break_at or {}
         self.on_post = on_post
         self.refuse = refuse
         self.hang = hang
+        self.slow_connect = slow_connect or {}
         self.channels: dict[str, FakeChannel] = {}
         self.connects: list[str] = []
 
     def connect(self, rendezvous: Endpoint, key: str, timeout: float) -> FakeChannel:
         self.connects.append(key)
+        if key in self.slow_connect:
+            time.sleep(self.slow_connect[key])
+            raise TransferError(f"{key} did not answer")
         if key in self.refuse:
             raise TransferError(f"nobody accepted {key}")
         self.channels[key] = FakeChannel(self.break_at.get(key), self.on_post, key in self.hang)
@@ -286,6 +292,36 @@ def test_a_dead_peer_costs_one_deadline_not_one_per_send_in_flight() -> None:
     assert isinstance(reports["A"].error, TransferError) and reports["B"].error is None
     assert len(finished) == 2
     assert deadline <= elapsed < 2.5 * deadline  # was one deadline per send in flight: ~7x
+
+
+def test_a_channel_still_connecting_holds_up_no_other() -> None:
+    """D0 was killed as its channel was being opened: the connect takes seconds to fail. B, on
+    D1, is sent meanwhile (with one thread for every channel it waited for that connect, and
+    every request on every decode worker expired behind it)."""
+    a, b = ticket("A", 3, TO_D0), ticket("B", 2, TO_D1)
+    connect_s = 1.0
+    transport = FakeTransport(slow_connect={TO_D0: connect_s})
+    finished: list[Finished] = []
+    reported: dict[str, float] = {}
+
+    def on_finished(request_id: str, record: SendRecord, error: TransferError | None) -> None:
+        reported[request_id] = time.monotonic()
+        finished.append(Finished(request_id, record, error))
+
+    sender = KVSender(transport, 1.0, on_finished)
+    started = time.monotonic()
+    sender.open(a)
+    sender.open(b)
+    send_step(sender, [a])
+    send_step(sender, [b])
+    sender.send_done(a, 11, None)
+    sender.send_done(b, 12, None)
+    sender.close(timeout=connect_s + 5)
+
+    reports = {f.request_id: f for f in finished}
+    assert reports["B"].error is None and isinstance(reports["A"].error, TransferError)
+    assert reported["B"] - started < connect_s / 2 <= connect_s <= reported["A"] - started
+    assert transport.connects.count(TO_D0) == 1  # A's later jobs fail without dialling again
 
 
 def test_part_sums_are_each_part_packed_alone() -> None:

@@ -175,6 +175,23 @@ def test_killed_receiver_fails_the_sender(name: str) -> None:
         close_transport(transport)
 
 
+@pytest.mark.parametrize("name", TRANSPORTS)
+def test_connect_to_a_gone_worker_fails_at_once(name: str) -> None:
+    """Its rendezvous store is closed (the worker was killed): the connect fails well inside its
+    deadline (TCPStore alone retried the refusal for over twice the deadline)."""
+    rendezvous = Rendezvous("127.0.0.1")
+    endpoint = rendezvous.endpoint
+    del rendezvous  # the store's server closes with it
+    transport = transport_named(name)
+    try:
+        start = time.monotonic()
+        with pytest.raises(TransferError, match="cannot reach the rendezvous"):
+            transport.connect(endpoint, "gone#0", 5.0)
+        assert time.monotonic() - start < 1.0
+    finally:
+        close_transport(transport)
+
+
 def _capture(outcome: dict, fn, *args) -> None:
     try:
         fn(*args)
