@@ -20,8 +20,9 @@ every target rather than on one:
 - 1p1d-shared (not a default): 1p1d with every worker on every core; colocated-tp2 (not a
   default): one colocated worker of two tensor-parallel ranks;
 - a peer given by `--peer NAME=URL`: any OpenAI-compatible server already running on this host
-  (a vLLM CPU server, say), serving the one model given with `--models`. It runs all along, so it
-  idles beside the other targets.
+  (a vLLM CPU server, say), serving the one model given with `--models`. It runs all along; while
+  other targets run its process group is stopped (SIGSTOP; `--no-pause-peers` leaves it idling
+  beside them, as tandem's own servers are not), since an idle server still takes CPU.
 
 Each server is started for its round by `ServeProcess`, warmed up, measured at every concurrency
 and stopped before the next target starts; the in-process engine is loaded and dropped the same
@@ -84,6 +85,7 @@ from loadtest.config import RandomSpec, SamplingConfig, TargetConfig  # noqa: E4
 from loadtest.datasets import sample_random  # noqa: E402
 from loadtest.errors import BenchError, one_line  # noqa: E402
 from loadtest.metrics import compute_metrics  # noqa: E402
+from loadtest.quiet_peers import QuietPeers  # noqa: E402
 from loadtest.sample import SampleRequest  # noqa: E402
 from loadtest.serve_process import ServeError, ServeProcess  # noqa: E402
 from loadtest.target import Target, build_target, resolve_model  # noqa: E402
@@ -735,22 +737,37 @@ def run_benchmark(models: dict[str, Path], args: argparse.Namespace, work: Path)
     """Every model: rounds of every target in turn, one target up at a time."""
     results = Results()
     targets = [*args.targets, *args.peers]
-    for name, folder in models.items():
-        workload = make_workload(folder, args)
-        for index in range(args.rounds):
-            for target in targets:
-                label = f"[{name} round {index + 1}/{args.rounds}] {target}"
-                print(f"--- {label}", file=sys.stderr, flush=True)
-                try:
-                    measured = run_session(target, folder, workload, args, work)
-                except (SessionError, BenchError, OSError) as err:
-                    results.failures.append(f"{label}: {one_line(str(err), 300)}")
-                    print(f"{label} failed: {err}", file=sys.stderr, flush=True)
-                    continue
-                for concurrency, round_ in measured.items():
-                    results.rounds.setdefault((name, concurrency, target), []).append(round_)
-                    print(f"{label} c={concurrency}: {progress(round_)}", file=sys.stderr)
+    with QuietPeers(args.peers, args.pause_peers) as quiet:
+        for name, folder in models.items():
+            workload = make_workload(folder, args)
+            for index in range(args.rounds):
+                for target in targets:
+                    quiet.only(target if target in args.peers else None)
+                    measure_round(results, name, index, target, folder, workload, args, work)
     return results
+
+
+def measure_round(
+    results: Results,
+    name: str,
+    index: int,
+    target: str,
+    folder: Path,
+    workload: Workload,
+    args: argparse.Namespace,
+    work: Path,
+) -> None:
+    label = f"[{name} round {index + 1}/{args.rounds}] {target}"
+    print(f"--- {label}", file=sys.stderr, flush=True)
+    try:
+        measured = run_session(target, folder, workload, args, work)
+    except (SessionError, BenchError, OSError) as err:
+        results.failures.append(f"{label}: {one_line(str(err), 300)}")
+        print(f"{label} failed: {err}", file=sys.stderr, flush=True)
+        return
+    for concurrency, round_ in measured.items():
+        results.rounds.setdefault((name, concurrency, target), []).append(round_)
+        print(f"{label} c={concurrency}: {progress(round_)}", file=sys.stderr)
 
 
 def progress(r: Round) -> str:
@@ -907,6 +924,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         default=[],
         metavar="NAME=URL",
         help="an OpenAI-compatible server on this host, serving the one --models",
+    )
+    p.add_argument(
+        "--pause-peers",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="stop each peer's process group (SIGSTOP) while other targets run, continue it "
+        "for its own rounds (loadtest/quiet_peers.py; default: on)",
     )
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     p.add_argument("--kv-cache-memory", type=parse_size, default=512 << 20, metavar="BYTES",
