@@ -543,6 +543,9 @@ class Coordinator:
             self.router.set_accepting(entry.worker_id, False)
             return
         self.router.mark_dead(entry.worker_id)
+        if entry.pool != "prefill":  # the prefill workers' channels to it close
+            for handle in self.prefill.values():
+                self._background(self._call(handle.forget_peer, entry.worker_id, timeout=5.0))
         if reason != "switching role":
             self.prefill.pop(entry.worker_id, None)
             self.decode.pop(entry.worker_id, None)

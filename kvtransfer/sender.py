@@ -11,7 +11,8 @@ Lanes keep channels apart: a peer that is slow, dead or still connecting holds u
 channel. (With one thread for every channel, a connect to a decode worker killed a moment before
 held every other decode worker's transfers for the connect's whole deadline, and their requests
 expired one lease after another.) A lane whose channel broke fails what is queued on it and
-exits; anything sent on that key later fails at once.
+exits; anything sent on that key later fails at once. So does a lane to a decode worker that
+left its pool (`forget_peer`), after sending what was queued.
 """
 
 from __future__ import annotations
@@ -87,7 +88,7 @@ class _SendLayer(NamedTuple):
 
 
 class _Stop:
-    """Tells a lane to retire what is in flight and exit."""
+    """Tells a lane to retire what is in flight, close its channel and exit."""
 
 
 Job = _OpenChannel | _SendFrame | _SendLayer
@@ -137,6 +138,17 @@ class KVSender:
     def send_abort(self, ticket: Ticket, reason: str) -> None:
         self._put(_SendFrame(ticket, AbortFrame(ticket.request_id, reason)))
 
+    def forget_peer(self, decode_id: str) -> None:
+        """A decode worker left its pool: its lanes send what is queued on them, close their
+        channels and exit (each holds a thread and a channel); jobs for it from now on fail at
+        once."""
+        with self._lock:
+            lanes = [lane for lane in self._lanes.values() if lane.decode_id == decode_id]
+            for lane in lanes:
+                del self._lanes[lane.key]
+                self._remember_broken(lane.key)
+                lane.jobs.put(_Stop())
+
     def close(self, timeout: float = 5.0) -> None:
         """Stops every lane after its queued jobs; waits up to `timeout` s in all (the sends go
         on in the background after that: they read only their own packed buffers)."""
@@ -160,7 +172,7 @@ class KVSender:
             if not broke:
                 lane = self._lanes.get(key)
                 if lane is None:
-                    lane = self._lanes[key] = _Lane(self, key)
+                    lane = self._lanes[key] = _Lane(self, key, job.ticket.decode_id)
                 lane.jobs.put(job)
         if broke:
             self._refuse(job, TransferError(f"channel {key} broke earlier"))
@@ -172,10 +184,13 @@ class KVSender:
             if not lane.jobs.empty():
                 return False
             del self._lanes[lane.key]
-            self._broken[lane.key] = None
-            if len(self._broken) > REMEMBERED:
-                self._broken.popitem(last=False)
+            self._remember_broken(lane.key)
             return True
+
+    def _remember_broken(self, key: str) -> None:  # under the lock
+        self._broken[key] = None
+        if len(self._broken) > REMEMBERED:
+            self._broken.popitem(last=False)
 
     def _refuse(self, job: Job, err: TransferError) -> None:
         """A job on a broken channel: its requests fail, unless they failed already. A step
@@ -228,9 +243,10 @@ class _Lane:
     """One channel's thread: opens the channel, posts its jobs in order with up to WINDOW sends
     in flight, and waits for each (oldest first) within the sender's deadline."""
 
-    def __init__(self, sender: KVSender, key: str) -> None:
+    def __init__(self, sender: KVSender, key: str, decode_id: str) -> None:
         self.sender = sender
         self.key = key
+        self.decode_id = decode_id
         self.jobs: queue.SimpleQueue[Job | _Stop] = queue.SimpleQueue()
         self.channel: Channel | None = None
         self.broken: TransferError | None = None
@@ -251,6 +267,8 @@ class _Lane:
             while self._inflight and self.jobs.empty():
                 self._drain(len(self._inflight) - 1)
         self._drain(0)
+        if self.channel is not None and self.broken is None:
+            self.channel.close()  # its peer's receiver thread ends too
 
     def _handle(self, job: Job) -> None:
         sender = self.sender

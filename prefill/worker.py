@@ -136,6 +136,10 @@ class PrefillWorker:
     def abort(self, request_id: str) -> None:
         self.thread.submit(self._abort, request_id)
 
+    def forget_peer(self, decode_id: str) -> Future:
+        """A decode worker left its pool: the channels to it close (every rank's)."""
+        return self.thread.submit(self._forget_peer, decode_id)
+
     def stats(self) -> Future:
         return self.thread.submit(self._stats)
 
@@ -183,6 +187,11 @@ class PrefillWorker:
         for leg in pending.legs:
             self.sender.send_abort(leg, str(error))
         pending.on_result(request_id, error)
+
+    def _forget_peer(self, decode_id: str) -> None:
+        self.sender.forget_peer(decode_id)
+        if self.ranks is not None:
+            self.ranks.call(["forget_peer", decode_id])
 
     def _step(self) -> None:
         self._step_legs = []

@@ -173,6 +173,12 @@ class WorkerActor:
             worker.abort(request.request_id)
             raise
 
+    async def forget_peer(self, decode_id: str) -> None:
+        """A decode worker left its pool: a prefill worker closes its channels to it (each
+        holds a thread and sockets); in any other role there is nothing to close."""
+        if isinstance(self.worker, PrefillWorker):
+            await asyncio.wrap_future(self.worker.forget_peer(decode_id))
+
     # -- decode ----------------------------------------------------------------------------
 
     async def reserve(

@@ -8,6 +8,7 @@ Rank 0 (prefill/worker.py, decode/worker.py) drives it through the rank group's 
     call ["decode", transport, rendezvous, id, timeout] start receiving, on rank 0's rendezvous
     call ["expect", ticket, slots]                     a reservation: expect this rank's legs
     call ["forget", [request ids]]                     stop writing those requests' KV
+    call ["forget_peer", decode id]                    that decode worker left: close its lanes
     call ["idle"]                                      the role ended
     step extra = [[ticket, start, slots, last], ...]   prefill: send this rank's legs of the
                                                        step's chunks, layer by layer
@@ -64,6 +65,9 @@ class RankRoles:
         elif kind == "forget":
             for request_id in args[0]:
                 self._receiving().forget(request_id)
+        elif kind == "forget_peer":
+            if self.sender is not None:
+                self.sender.forget_peer(args[0])
         elif kind == "idle":
             self._idle()
         else:

@@ -278,6 +278,22 @@ def test_dead_decode_pool_fails_the_request() -> None:
     run(main())
 
 
+def test_a_decode_worker_leaving_closes_the_prefill_workers_channels_to_it() -> None:
+    async def main() -> None:
+        cluster = FakeCluster(CONFIG, num_decode=2)
+        async with cluster.running() as coordinator:
+            coordinator.supervisor.report_dead("decode-0", "killed")
+            await asyncio.sleep(0.05)
+            for handle in cluster.prefill.values():
+                assert handle.calls["forget_peer"] == [("decode-0",)]
+            coordinator.supervisor.report_dead("prefill-1", "killed")  # has no channels in
+            await asyncio.sleep(0.05)
+            assert cluster.prefill["prefill-0"].calls["forget_peer"] == [("decode-0",)]
+            assert "forget_peer" not in cluster.decode["decode-1"].calls
+
+    run(main())
+
+
 def test_a_new_request_goes_to_the_decode_worker_running_fewer() -> None:
     async def main() -> None:
         cluster = FakeCluster(CONFIG, num_decode=2)

@@ -4,6 +4,7 @@ request's on_finished reports, when sends succeed, fail, or the request is abort
 from __future__ import annotations
 
 import functools
+import threading
 import time
 from typing import NamedTuple
 
@@ -322,6 +323,36 @@ def test_a_channel_still_connecting_holds_up_no_other() -> None:
     assert reports["B"].error is None and isinstance(reports["A"].error, TransferError)
     assert reported["B"] - started < connect_s / 2 <= connect_s <= reported["A"] - started
     assert transport.connects.count(TO_D0) == 1  # A's later jobs fail without dialling again
+
+
+def lane_threads() -> set[str]:
+    return {t.name for t in threading.enumerate() if t.name.startswith("kv-send-")}
+
+
+def test_forgetting_a_decode_worker_closes_its_lane_after_what_was_queued() -> None:
+    a, b = ticket("A", 3, TO_D0), ticket("B", 2, TO_D1)
+    transport = FakeTransport()
+    sender, finished = start_sender(transport)
+    a_payloads = send_step(sender, [a])
+    sender.send_done(a, 11, None)
+    send_step(sender, [b])
+    sender.forget_peer("d0")
+    late = ticket("C", 4, TO_D0)  # a job for it after it left
+    sender.open(late)
+    sender.send_done(b, 12, None)
+    deadline = time.monotonic() + 5
+    while f"kv-send-{TO_D0}" in lane_threads() and time.monotonic() < deadline:
+        time.sleep(0.01)
+
+    assert f"kv-send-{TO_D0}" not in lane_threads() and f"kv-send-{TO_D1}" in lane_threads()
+    assert transport.channels[TO_D0].closed and not transport.channels[TO_D1].closed
+    assert transport.connects.count(TO_D0) == 1  # C's job failed without dialling again
+    sender.close()
+    reports = {f.request_id: f for f in finished}
+    assert reports["A"].error is None and reports["A"].record.bytes_sent == nbytes(a_payloads)
+    assert reports["B"].error is None
+    assert isinstance(reports["C"].error, TransferError)
+    assert transport.channels[TO_D1].closed  # close() closes every lane's channel
 
 
 def test_part_sums_are_each_part_packed_alone() -> None:

@@ -125,6 +125,9 @@ class _FakeProcess:
         steps = getattr(self, "steps", [])
         return Telemetry(len(steps), steps[step_seq:], 0, prefix_seq, [], None)
 
+    async def forget_peer(self, decode_id: str) -> None:
+        return None  # the call is what tests look at (FakeHandle.calls)
+
     def die(self) -> None:
         """The process is gone: whatever it had open closes."""
 
