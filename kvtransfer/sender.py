@@ -30,7 +30,7 @@ import torch
 
 from kvtransfer.integrity import DIGEST_START, fold, part_sums
 from kvtransfer.streams import adopt, use_own_stream
-from kvtransfer.transport import Channel, Pending, TransferError, Transport
+from kvtransfer.transport import Channel, Pending, TransferError, Transport, connect_within
 from kvtransfer.wire import AbortFrame, DoneFrame, Frame, StepFrame, encode_frame
 from protocol.kv import Ticket
 
@@ -293,8 +293,8 @@ class _Lane:
         try:
             if self.channel is None:
                 ticket = job.ticket
-                self.channel = self.sender.transport.connect(
-                    ticket.rendezvous, self.key, self.sender.timeout
+                self.channel = connect_within(
+                    self.sender.transport, ticket.rendezvous, self.key, self.sender.timeout
                 )
             if not isinstance(job, _OpenChannel):
                 self._post(job)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import datetime
 import socket
+import threading
 from collections.abc import Callable
 from typing import Protocol
 
@@ -101,6 +102,46 @@ def dial_store(rendezvous: Endpoint, timeout: float) -> TCPStore:
         )
     except (OSError, RuntimeError) as err:
         raise TransferError(f"cannot reach the rendezvous at {rendezvous}: {err}") from err
+
+
+DIAL_GRACE_S = 1.0  # past the transport's own deadline, which normally fires first
+
+
+def connect_within(transport: Transport, rendezvous: Endpoint, key: str, timeout: float) -> Channel:
+    """`transport.connect`, given up after `timeout` (and a grace) even where the transport's
+    own deadline does not hold: TCPStore waits with none for a store that accepted the
+    connection and never answers (a frozen decode worker's; the kernel accepts for it). The
+    dial then goes on in the background, and a channel it opens late is closed."""
+    outcome: dict[str, object] = {}
+    lock = threading.Lock()
+    done = threading.Event()
+
+    def dial() -> None:
+        try:
+            channel = transport.connect(rendezvous, key, timeout)
+        except Exception as err:  # handed to the caller, who raises it
+            outcome["error"] = err
+        else:
+            with lock:
+                if "abandoned" in outcome:
+                    channel.close()
+                else:
+                    outcome["channel"] = channel
+        finally:
+            done.set()
+
+    threading.Thread(target=dial, name=f"kv-dial-{key}", daemon=True).start()
+    answered = done.wait(timeout + DIAL_GRACE_S)
+    with lock:
+        if "channel" in outcome:
+            return outcome["channel"]  # type: ignore[return-value]
+        if not answered:
+            outcome["abandoned"] = True
+            raise TransferError(f"channel {key!r}: {rendezvous} did not answer in {timeout:.1f}s")
+    err = outcome["error"]
+    if isinstance(err, TransferError):
+        raise err
+    raise TransferError(f"channel {key!r} did not open: {err}") from err  # type: ignore[misc]
 
 
 TRANSPORTS: dict[str, Callable[[torch.device], Transport]] = {}

@@ -4,6 +4,7 @@ request's on_finished reports, when sends succeed, fail, or the request is abort
 from __future__ import annotations
 
 import functools
+import socket
 import threading
 import time
 from typing import NamedTuple
@@ -361,3 +362,53 @@ def test_part_sums_are_each_part_packed_alone() -> None:
     starts = [0, 4, 5, 5]
     want = [payload_sum(p) for s, n in zip(starts, sizes, strict=True) for p in part([whole], s, n)]
     assert part_sums(whole, sizes) == want
+
+
+def test_over_gloo_a_decode_worker_that_never_answers_holds_up_no_other() -> None:
+    """The failure CI saw, on the real transport: D0's rendezvous accepts the connection and
+    never answers (a worker frozen as it is dialled: TCPStore alone would wait for good); B's
+    transfer to D1 goes through meanwhile, and A fails one deadline (and a grace) later."""
+    from kvtransfer.transport import DIAL_GRACE_S, Rendezvous, make_transport
+
+    silent = socket.create_server(("127.0.0.1", 0))  # the kernel accepts; nobody answers
+    rendezvous = Rendezvous("127.0.0.1")
+    to_d0 = ticket("A", 3, TO_D0)._replace(
+        rendezvous=Endpoint("127.0.0.1", silent.getsockname()[1])
+    )
+    to_d1 = ticket("B", 2, TO_D1)._replace(rendezvous=rendezvous.endpoint)
+    transport = make_transport("gloo", torch.device("cpu"))
+    received: dict[str, object] = {}
+
+    def receive() -> None:
+        channel = transport.accept(rendezvous.store, TO_D1, 10.0)
+        received["step"] = recv_frame(channel, 10.0)
+        payloads = [torch.empty(2, 2, LAYOUT.kv_heads, LAYOUT.head_dim) for _ in range(NUM_LAYERS)]
+        for tensor in payloads:
+            channel.recv(tensor, 10.0)
+        received["payloads"] = payloads
+        received["done"] = recv_frame(channel, 10.0)
+        received["at"] = time.monotonic()
+
+    receiver = threading.Thread(target=receive, daemon=True)
+    receiver.start()
+    deadline = 2.0
+    sender, finished = start_sender(transport, timeout=deadline)  # type: ignore[arg-type]
+    started = time.monotonic()
+    try:
+        sender.open(to_d0)
+        send_step(sender, [to_d0])
+        sender.send_done(to_d0, 11, None)
+        sent = send_step(sender, [to_d1], value=5.0)
+        sender.send_done(to_d1, 12, None)
+        receiver.join(deadline)
+        assert not receiver.is_alive(), "D1's transfer waited behind D0's dial"
+        assert received["at"] - started < deadline / 2
+        assert all(torch.equal(a, b) for a, b in zip(received["payloads"], sent, strict=True))
+        assert received["done"].request_id == "B"
+        sender.close(timeout=deadline + DIAL_GRACE_S + 5)
+        reports = {f.request_id: f for f in finished}
+        assert reports["B"].error is None
+        assert "did not answer" in str(reports["A"].error)
+        assert time.monotonic() - started < deadline + DIAL_GRACE_S + 2
+    finally:
+        silent.close()
