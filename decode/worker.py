@@ -297,6 +297,7 @@ class DecodeWorker:
             **self.transfers.fields(),
             **self.thread.steps.fields(),
             requests_prefilled_locally=self.prefilled_locally,
+            kv_channels_open=self.receiver.open_channels,
         )
 
 

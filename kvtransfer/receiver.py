@@ -163,6 +163,12 @@ class KVReceiver:
         # channel, or the bytes land in memory Python has handed to something else.
         self._posted_on_broken: list[object] = []
 
+    @property
+    def open_channels(self) -> int:
+        """Channels with a receiver thread."""
+        with self._lock:
+            return len(self._serving)
+
     def channel_key(self, prefill_id: str, broken: str | None = None) -> str:
         """The live channel key of a prefill peer (its routes' keys derive from it), new if
         it has none. `broken`: a key the prefill side found broken; if it still belongs to

@@ -138,6 +138,11 @@ class KVSender:
     def send_abort(self, ticket: Ticket, reason: str) -> None:
         self._put(_SendFrame(ticket, AbortFrame(ticket.request_id, reason)))
 
+    @property
+    def open_lanes(self) -> int:
+        with self._lock:
+            return len(self._lanes)
+
     def forget_peer(self, decode_id: str) -> None:
         """A decode worker left its pool: its lanes send what is queued on them, close their
         channels and exit (each holds a thread and a channel); jobs for it from now on fail at

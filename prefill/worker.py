@@ -259,6 +259,7 @@ class PrefillWorker:
             self.engine.snapshot(),
             **self.transfers.fields(),
             **self.thread.steps.fields(),
+            kv_channels_open=self.sender.open_lanes,
         )
 
     def _transfer_finished(

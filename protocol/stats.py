@@ -103,6 +103,7 @@ class WorkerStats:
     kv_exposed_buckets: tuple[int, ...] = (0,) * len(TRANSFER_BUCKETS)
     kv_checksum_failures: int = 0  # transfers whose bytes failed their checksum (decode)
     kv_stale_frames: int = 0  # frames and payloads of attempts no longer expected (decode)
+    kv_channels_open: int = 0  # prefill: sender lanes; decode: receiver threads (rank 0's)
     requests_prefilled_locally: int = 0
     kv_transport: str = ""  # gloo | nccl | ucx; empty where nothing moves
     stale: bool = False  # the worker missed its last report; these are older values

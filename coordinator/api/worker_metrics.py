@@ -28,6 +28,9 @@ GAUGES = (
     ("tandem:kv_cache_usage_perc", "Fraction of KV blocks in use (1 = full).", "kv_cache_usage"),
     ("tandem:queued_prefill_tokens", "Prompt tokens waiting to be prefilled.",
      "queued_prefill_tokens"),
+    ("tandem:kv_channels_open", "KV channels the worker holds open, each with a thread (a "
+     "prefill worker's sender lanes, a decode worker's receivers; rank 0's).",
+     "kv_channels_open"),
 )  # fmt: skip
 COUNTERS = (
     ("tandem:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",

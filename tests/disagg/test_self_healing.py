@@ -138,3 +138,21 @@ def test_sigstop_of_a_decode_worker_heals(tiny_llama, build_pool, loop, prompts,
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
+
+
+def test_a_decode_worker_that_leaves_has_its_channels_closed(
+    tiny_llama, build_pool, loop, prompts, expected
+):
+    """The prefill worker's lanes to a decode worker scaled away close (each held a thread and
+    a channel on both ends for as long as the prefill worker lived)."""
+    client = build_pool(tiny_llama, num_prefill=1, num_decode=2)
+    prefill = client.prefill["prefill-0"]
+    channels = lambda handle: ray.get(handle.stats.remote(), timeout=10).kv_channels_open  # noqa: E731
+    assert run_with(loop, client, prompts, lambda p: True, lambda: None) == expected
+    assert channels(prefill) == 2  # one lane to each decode worker
+    assert [channels(client.decode[d]) for d in ("decode-0", "decode-1")] == [1, 1]
+    scale(loop, client, {"decode": 1})  # the newest, decode-1, drains and leaves
+    wait_for(lambda: serving(client, "decode") == ["decode-0"], 30)
+    wait_for(lambda: channels(prefill) == 1, 10)
+    assert run_with(loop, client, prompts, lambda p: True, lambda: None) == expected
+    assert channels(prefill) == 1 and channels(client.decode["decode-0"]) == 1
