@@ -7,6 +7,8 @@ and scatters each layer into the blocks reserved for the request.
         DoneFrame(r, token, digest)          -> Arrived(r, token, ...)   (all layers are in and
                                                 their checksums fold to `digest`)
         AbortFrame(r) / channel error        -> TransferFailed(r, reason)
+        CloseFrame (the prefill side closes) -> the thread ends; anything still expected on the
+                                                channel fails as on an error, with no warning
         a digest that differs                -> TransferFailed(r, reason, corrupt=True)
 
 Fencing: frames and payloads are matched to reservations by the attempt's own request id, under
@@ -43,7 +45,7 @@ from kernels.threads import use_threads
 from kvtransfer.integrity import DIGEST_START, fold, part_sums
 from kvtransfer.streams import settle, use_own_stream
 from kvtransfer.transport import Channel, Rendezvous, TransferError, Transport
-from kvtransfer.wire import AbortFrame, DoneFrame, PostedFrame, StepFrame
+from kvtransfer.wire import AbortFrame, CloseFrame, DoneFrame, PostedFrame, StepFrame
 from protocol.kv import Route, base_key
 
 log = logging.getLogger(__name__)
@@ -97,6 +99,10 @@ class _Expected:
     verify: bool = True
     bytes_received: int = 0
     first_frame: float | None = None
+
+
+class _Closed(Exception):
+    """The prefill side closed the channel on purpose."""
 
 
 class _StepBroke(Exception):
@@ -252,6 +258,7 @@ class KVReceiver:
         # On CUDA its copies, checksums and unpacks wait for nothing the engine has queued.
         use_own_stream(self.kv_caches[0][0].device)
         channel, posted = None, None
+        why = f"KV channel {key} broke"
         try:
             wait = max(self.timeout, ACCEPT_WAIT_S)
             channel = self.transport.accept(self.rendezvous.client(), key, wait)
@@ -259,6 +266,10 @@ class KVReceiver:
             spare = StagingBuffers()
             while True:
                 posted = self._receive_one(channel, leg, posted, spare)
+        except _Closed as closed:
+            log.info("KV channel %s closed by its prefill side: %s", key, closed)
+            posted = None  # nothing is posted on it: the close frame was the last message
+            why = f"KV channel {key} closed: {closed}"
         except _StepBroke as broke:
             log.warning("KV channel %s closed: %s", key, broke.error)
             self._keep_posted(broke.posted)
@@ -271,7 +282,7 @@ class KVReceiver:
             channel.close()
         with self._lock:
             self._serving.discard(key)
-        self.retire(base_key(key), f"KV channel {key} broke")
+        self.retire(base_key(key), why)
         if self.on_broken is not None:
             self.on_broken(base_key(key))
 
@@ -286,6 +297,8 @@ class KVReceiver:
         frame = posted.read(timeout=None)
         if isinstance(frame, StepFrame):
             return self._receive_step(channel, leg, frame, spare)
+        if isinstance(frame, CloseFrame):
+            raise _Closed(frame.reason)
         with self._lock:
             expected = self._expected.get(frame.request_id)
             entry = expected.legs.get(leg.key) if expected is not None else None

@@ -17,6 +17,7 @@ left its pool (`forget_peer`), after sending what was queued.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import queue
 import threading
@@ -31,12 +32,13 @@ import torch
 from kvtransfer.integrity import DIGEST_START, fold, part_sums
 from kvtransfer.streams import adopt, use_own_stream
 from kvtransfer.transport import Channel, Pending, TransferError, Transport, connect_within
-from kvtransfer.wire import AbortFrame, DoneFrame, Frame, StepFrame, encode_frame
+from kvtransfer.wire import AbortFrame, CloseFrame, DoneFrame, Frame, StepFrame, encode_frame
 from protocol.kv import Ticket
 
 log = logging.getLogger(__name__)
 REMEMBERED = 10_000  # failed requests and broken channel keys, the most recent
 WINDOW = 8  # sends in flight at once on a channel: the wire never waits for the next post
+GOODBYE_WAIT_S = 2.0  # for a closing channel's last frame
 
 
 @dataclass
@@ -87,8 +89,10 @@ class _SendLayer(NamedTuple):
         return self.parts[0][0]
 
 
-class _Stop:
-    """Tells a lane to retire what is in flight, close its channel and exit."""
+class _Stop(NamedTuple):
+    """Tells a lane to retire what is in flight, close its channel (saying why) and exit."""
+
+    reason: str
 
 
 Job = _OpenChannel | _SendFrame | _SendLayer
@@ -152,7 +156,7 @@ class KVSender:
             for lane in lanes:
                 del self._lanes[lane.key]
                 self._remember_broken(lane.key)
-                lane.jobs.put(_Stop())
+                lane.jobs.put(_Stop(f"decode worker {decode_id} left its pool"))
 
     def close(self, timeout: float = 5.0) -> None:
         """Stops every lane after its queued jobs; waits up to `timeout` s in all (the sends go
@@ -161,7 +165,7 @@ class KVSender:
             self._closed = True
             lanes = list(self._lanes.values())
         for lane in lanes:
-            lane.jobs.put(_Stop())
+            lane.jobs.put(_Stop("the prefill worker stopped sending"))
         deadline = time.monotonic() + timeout
         for lane in lanes:
             lane.thread.join(timeout=max(0.0, deadline - time.monotonic()))
@@ -260,20 +264,29 @@ class _Lane:
         self.thread.start()
 
     def _run(self) -> None:
-        while True:
+        stop = None
+        while stop is None:
             if self.broken is not None and self.jobs.empty() and self.sender._retire(self):
                 break
-            job = self.jobs.get()
-            if isinstance(job, _Stop):
-                break
-            self._handle(job)
+            match job := self.jobs.get():
+                case _Stop():
+                    stop = job
+                case _:
+                    self._handle(job)
             # Nothing else to post: retire sends oldest first, looking for new jobs after each,
             # so a job that arrives meanwhile is posted behind what is in flight, not after it.
             while self._inflight and self.jobs.empty():
                 self._drain(len(self._inflight) - 1)
         self._drain(0)
         if self.channel is not None and self.broken is None:
-            self.channel.close()  # its peer's receiver thread ends too
+            if stop is not None:  # the receiver then ends without taking it for a failure
+                self._say_goodbye(stop.reason)
+            self.channel.close()
+
+    def _say_goodbye(self, reason: str) -> None:
+        with contextlib.suppress(TransferError):  # the peer is gone already
+            for tensor in encode_frame(CloseFrame(reason)):
+                self.channel.send(tensor, min(self.sender.timeout, GOODBYE_WAIT_S))
 
     def _handle(self, job: Job) -> None:
         sender = self.sender

@@ -4,11 +4,12 @@
     payload  = [2, num_tokens, kv_heads, head_dim] in the KV dtype
 
 One prefill step sends, per decode worker, one StepFrame naming its chunks, then one payload
-per (layer, chunk), layer by layer as the layers finish:
+per layer holding every chunk's tokens back to back, layer by layer as the layers finish:
 
-    Step[(A, 0, 96), (B, 40, 8)]  A.L0 B.L0  A.L1 B.L1 ...  A.L29 B.L29   Done(A)  Done(B)
+    Step[(A, 0, 96), (B, 40, 8)]  L0[A B]  L1[A B] ...  L29[A B]   Done(A)  Done(B)
 
-(each Done carrying the digest of its request's payloads when the ticket asks for checksums)
+(each Done carrying the digest of its request's payloads when the ticket asks for checksums).
+A channel the prefill side closes on purpose ends with a Close frame.
 
 so the receiver can post every payload receive of the step at once, and nothing on the wire
 waits for it. A frame too long for FRAME_BYTES is sent as {"ext": n} plus n bytes of msgpack.
@@ -54,8 +55,20 @@ class AbortFrame(NamedTuple):
     reason: str
 
 
-Frame = StepFrame | DoneFrame | AbortFrame
-_KINDS: dict[str, type] = {"step": StepFrame, "done": DoneFrame, "abort": AbortFrame}
+class CloseFrame(NamedTuple):
+    """The prefill side closes the channel on purpose (it stops serving, or its decode worker
+    left the pool): nothing more comes on it."""
+
+    reason: str
+
+
+Frame = StepFrame | DoneFrame | AbortFrame | CloseFrame
+_KINDS: dict[str, type] = {
+    "step": StepFrame,
+    "done": DoneFrame,
+    "abort": AbortFrame,
+    "close": CloseFrame,
+}
 _NAMES = {kind: name for name, kind in _KINDS.items()}
 
 

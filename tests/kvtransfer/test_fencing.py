@@ -220,3 +220,41 @@ def test_a_forgotten_requests_part_of_a_shared_payload_is_dropped_and_the_rest_l
         sender.close()
         for transport in transports:
             close_transport(transport)
+
+
+@pytest.mark.parametrize("name", TRANSPORTS)
+def test_a_channel_closed_on_purpose_ends_quietly_and_fails_what_it_still_owed(
+    name: str, caplog
+) -> None:
+    """The prefill side forgets its decode worker (which left the pool): its lane says goodbye
+    and closes. The receiver thread ends without a warning, a request still expected on the
+    channel fails (nothing more can come for it), and the next reservation gets a new key."""
+    sending, receiving = transport_named(name), transport_named(name)
+    shape = (4, 4, LAYOUT.kv_heads, LAYOUT.head_dim)
+    caches = [(torch.zeros(shape), torch.zeros(shape)) for _ in range(LAYOUT.num_layers)]
+    events = Events()
+    rendezvous = Rendezvous("127.0.0.1")
+    receiver = KVReceiver(receiving, rendezvous, caches, "d0", events.add, TIMEOUT)
+    sender = KVSender(sending, TIMEOUT, lambda *report: None)
+    key = receiver.channel_key("p0")
+    owed = Ticket("r#1", "d0", rendezvous.endpoint, key, 0, NUM_TOKENS, LAYOUT, TIMEOUT)
+    try:
+        with caplog.at_level("INFO", logger="kvtransfer.receiver"):
+            receiver.expect("r#1", key, SLOTS, 0)
+            sender.open(owed)
+            deadline = time.monotonic() + TIMEOUT
+            while receiver.open_channels != 1 and time.monotonic() < deadline:
+                time.sleep(0.01)
+            sender.forget_peer("d0")
+            failed = events.wait_for("r#1")
+            while receiver.open_channels and time.monotonic() < deadline:
+                time.sleep(0.01)
+        assert "closed: decode worker d0 left its pool" in failed.reason
+        assert receiver.open_channels == 0 and sender.open_lanes == 0
+        records = [r for r in caplog.records if r.name == "kvtransfer.receiver"]
+        assert [r.levelname for r in records] == ["INFO"], [r.getMessage() for r in records]
+        assert receiver.channel_key("p0") != key  # a new channel for the next reservation
+    finally:
+        sender.close()
+        for transport in (sending, receiving):
+            close_transport(transport)

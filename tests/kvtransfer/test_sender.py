@@ -15,7 +15,15 @@ import torch
 from kvtransfer.integrity import DIGEST_START, fold, part_sums, payload_sum
 from kvtransfer.sender import WINDOW, KVSender, SendRecord
 from kvtransfer.transport import TransferError
-from kvtransfer.wire import FRAME_BYTES, AbortFrame, DoneFrame, Frame, StepFrame, recv_frame
+from kvtransfer.wire import (
+    FRAME_BYTES,
+    AbortFrame,
+    CloseFrame,
+    DoneFrame,
+    Frame,
+    StepFrame,
+    recv_frame,
+)
 from protocol.kv import Endpoint, KVLayout, Ticket
 
 NUM_LAYERS = 10  # a payload per layer: more payloads a step than WINDOW
@@ -184,7 +192,9 @@ def test_posts_frames_and_payloads_in_submission_order() -> None:
     assert transport.connects == [TO_D0]  # one channel, opened once, for both tickets
     stream = wire(transport.channels[TO_D0])
     assert stream[0] == StepFrame([["A", 0, 3], ["B", 0, 2]], NUM_LAYERS)
-    assert len(stream) == 1 + len(payloads) + 2
+    assert len(stream) == 1 + len(payloads) + 2 + 1
+    assert stream[-1] == CloseFrame("the prefill worker stopped sending")  # close() says so
+    stream = stream[:-1]
     for got, want in zip(stream[1:-2], payloads, strict=True):
         assert torch.equal(got, want)
     # Each done frame carries the digest of its own request's parts, in send order: the sums
@@ -267,7 +277,10 @@ def test_abort_frame_reports_a_transfer_error() -> None:
 
     stream = wire(transport.channels[TO_D0])
     assert torch.equal(stream[0], sent)
-    assert stream[1:] == [AbortFrame("A", "client went away")]
+    assert stream[1:] == [
+        AbortFrame("A", "client went away"),
+        CloseFrame("the prefill worker stopped sending"),
+    ]
     [report] = finished
     assert report.request_id == "A"
     assert isinstance(report.error, TransferError) and str(report.error) == "client went away"
