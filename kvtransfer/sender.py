@@ -33,7 +33,7 @@ from kvtransfer.integrity import DIGEST_START, fold, part_sums
 from kvtransfer.streams import adopt, use_own_stream
 from kvtransfer.transport import Channel, Pending, TransferError, Transport, connect_within
 from kvtransfer.wire import AbortFrame, CloseFrame, DoneFrame, Frame, StepFrame, encode_frame
-from protocol.kv import Ticket
+from protocol.kv import Ticket, base_key
 
 log = logging.getLogger(__name__)
 REMEMBERED = 10_000  # failed requests and broken channel keys, the most recent
@@ -181,10 +181,22 @@ class KVSender:
             if not broke:
                 lane = self._lanes.get(key)
                 if lane is None:
-                    lane = self._lanes[key] = _Lane(self, key, job.ticket.decode_id)
+                    lane = self._lanes[key] = self._new_lane(key, job.ticket.decode_id)
                 lane.jobs.put(job)
         if broke:
             self._refuse(job, TransferError(f"channel {key} broke earlier"))
+
+    def _new_lane(self, key: str, decode_id: str) -> _Lane:  # under the lock
+        """A decode worker gives a prefill worker one live channel key at a time (a new one
+        once the old broke on either side), so lanes to it under another key are done with:
+        they close, or one whose channel broke on the decode side would idle for good."""
+        base = base_key(key)
+        for old in [x for x in self._lanes.values() if x.decode_id == decode_id]:
+            if base_key(old.key) != base:
+                del self._lanes[old.key]
+                self._remember_broken(old.key)
+                old.jobs.put(_Stop(f"channel {base} replaced it"))
+        return _Lane(self, key, decode_id)
 
     def _retire(self, lane: _Lane) -> bool:
         """Takes a broken lane out of service if nothing is queued on it (True: it may exit);

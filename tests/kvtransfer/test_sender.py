@@ -425,3 +425,26 @@ def test_over_gloo_a_decode_worker_that_never_answers_holds_up_no_other() -> Non
         assert time.monotonic() - started < deadline + DIAL_GRACE_S + 2
     finally:
         silent.close()
+
+
+def test_a_new_channel_key_to_a_decode_worker_closes_its_old_lane() -> None:
+    """D0's receiver gave up the old channel on its side and handed out a new key: the lane
+    under the old key, which nothing would send on again, closes when the new one opens."""
+    old, new = ticket("A", 3, "p0->d0#0"), ticket("B", 2, "p0->d0#1")
+    transport = FakeTransport()
+    sender, finished = start_sender(transport)
+    send_step(sender, [old])
+    sender.send_done(old, 11, None)
+    deadline = time.monotonic() + 5
+    while not finished and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert lane_threads() >= {"kv-send-p0->d0#0"}
+    send_step(sender, [new])
+    sender.send_done(new, 12, None)
+    while "kv-send-p0->d0#0" in lane_threads() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert "kv-send-p0->d0#0" not in lane_threads() and sender.open_lanes == 1
+    assert transport.channels["p0->d0#0"].closed
+    assert wire(transport.channels["p0->d0#0"])[-1] == CloseFrame("channel p0->d0#1 replaced it")
+    sender.close()
+    assert [(f.request_id, f.error) for f in finished] == [("A", None), ("B", None)]
