@@ -31,8 +31,9 @@ from engine.block_manager import slots_of
 from engine.engine import LLMEngine
 from engine.engine_thread import EngineThread
 from engine.scheduler import StepPlan
+from kvtransfer.lane import SendRecord
 from kvtransfer.legs import ChannelStep, StepChunk, announce, pack_layer, ready_event
-from kvtransfer.sender import KVSender, SendRecord
+from kvtransfer.sender import KVSender
 from kvtransfer.transport import TransferError, Transport
 from protocol.errors import RequestFailedError
 from protocol.kv import Ticket

@@ -23,9 +23,10 @@ from collections.abc import Callable
 from typing import Any
 
 from engine.tensor_parallel import FollowerSpec, spawn_followers
+from kvtransfer.lane import SendRecord
 from kvtransfer.legs import StepChunk, announce, pack_layer, ready_event
 from kvtransfer.receiver import Arrived, KVReceiver, Leg, ReceiveEvent
-from kvtransfer.sender import KVSender, SendRecord
+from kvtransfer.sender import KVSender
 from kvtransfer.transport import Rendezvous, TransferError, make_transport
 from protocol.kv import Endpoint, Ticket
 

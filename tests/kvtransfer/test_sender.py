@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from kvtransfer.integrity import DIGEST_START, fold, part_sums, payload_sum
-from kvtransfer.sender import WINDOW, KVSender, SendRecord
+from kvtransfer.lane import WINDOW, SendRecord
+from kvtransfer.sender import KVSender
 from kvtransfer.transport import TransferError
 from kvtransfer.wire import (
     FRAME_BYTES,
