@@ -91,9 +91,7 @@ class KVSender:
         with self._lock:
             lanes = [lane for lane in self._lanes.values() if lane.decode_id == decode_id]
             for lane in lanes:
-                del self._lanes[lane.key]
-                self._remember_broken(lane.key)
-                lane.jobs.put(Stop(f"decode worker {decode_id} left its pool"))
+                self._take_out(lane, Stop(f"decode worker {decode_id} left its pool"))
 
     def close(self, timeout: float = 5.0) -> None:
         """Stops every lane after its queued jobs; waits up to `timeout` s in all (the sends go
@@ -130,9 +128,7 @@ class KVSender:
         base = base_key(key)
         for old in [x for x in self._lanes.values() if x.decode_id == decode_id]:
             if base_key(old.key) != base:
-                del self._lanes[old.key]
-                self._remember_broken(old.key)
-                old.jobs.put(Stop(f"channel {base} replaced it"))
+                self._take_out(old, Stop(f"channel {base} replaced it"))
         return Lane(self, key, decode_id)
 
     def retire(self, lane: Lane) -> bool:
@@ -141,12 +137,15 @@ class KVSender:
         with self._lock:
             if not lane.jobs.empty():
                 return False
-            del self._lanes[lane.key]
-            self._remember_broken(lane.key)
+            self._take_out(lane)
             return True
 
-    def _remember_broken(self, key: str) -> None:  # under the lock
-        self._broken[key] = None
+    def _take_out(self, lane: Lane, stop: Stop | None = None) -> None:  # under the lock
+        """Later jobs for the lane's key fail at once; `stop` tells the lane to finish up."""
+        del self._lanes[lane.key]
+        if stop is not None:
+            lane.jobs.put(stop)
+        self._broken[lane.key] = None
         if len(self._broken) > REMEMBERED:
             self._broken.popitem(last=False)
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import threading
 import time
+from typing import NamedTuple
 
 import pytest
 import torch
@@ -113,6 +114,28 @@ def _wait_until(condition) -> None:
         time.sleep(0.01)
 
 
+class Pair(NamedTuple):
+    transports: list  # decode side's, prefill side's
+    caches: list[tuple[torch.Tensor, torch.Tensor]]  # the decode side's, per layer
+    events: Events
+    rendezvous: Rendezvous
+    receiver: KVReceiver
+    sender: KVSender
+
+
+def _pair(name: str, num_blocks: int) -> Pair:
+    """A decode worker "d0" (receiver, caches of `num_blocks` 4-token blocks) and one prefill
+    worker's sender, each over its own transport `name`."""
+    transports = [transport_named(name) for _ in range(2)]
+    shape = (num_blocks, 4, LAYOUT.kv_heads, LAYOUT.head_dim)
+    caches = [(torch.zeros(shape), torch.zeros(shape)) for _ in range(LAYOUT.num_layers)]
+    events = Events()
+    rendezvous = Rendezvous("127.0.0.1")
+    receiver = KVReceiver(transports[0], rendezvous, caches, "d0", events.add, TIMEOUT)
+    sender = KVSender(transports[1], TIMEOUT, lambda *report: None)
+    return Pair(transports, caches, events, rendezvous, receiver, sender)
+
+
 @pytest.mark.parametrize("name", TRANSPORTS)
 def test_an_attempt_given_up_by_one_decode_worker_never_writes_there_again(name: str) -> None:
     """The retry went to another decode worker; the first one reused the old attempt's blocks
@@ -172,13 +195,7 @@ def test_a_forgotten_requests_part_of_a_shared_payload_is_dropped_and_the_rest_l
     """One payload a layer carries a step's three requests back to back; the decode side forgot
     the middle one before they came. Each other part lands in its own request's slots (their
     digests fold from their own parts, so both arrive), the forgotten one's never does."""
-    transports = [transport_named(name) for _ in range(2)]  # decode, prefill
-    shape = (8, 4, LAYOUT.kv_heads, LAYOUT.head_dim)  # 8 blocks of 4 tokens
-    caches = [(torch.zeros(shape), torch.zeros(shape)) for _ in range(LAYOUT.num_layers)]
-    events = Events()
-    rendezvous = Rendezvous("127.0.0.1")
-    receiver = KVReceiver(transports[0], rendezvous, caches, "d0", events.add, TIMEOUT)
-    sender = KVSender(transports[1], TIMEOUT, lambda *report: None)
+    transports, caches, events, rendezvous, receiver, sender = _pair(name, num_blocks=8)
     key = receiver.channel_key("p0")
     sizes = {"a": 3, "b": 5, "c": 2}
     slots = {"a": [0, 1, 2], "b": [4, 5, 6, 7, 8], "c": [12, 13]}
@@ -229,26 +246,17 @@ def test_a_channel_closed_on_purpose_ends_quietly_and_fails_what_it_still_owed(
     """The prefill side forgets its decode worker (which left the pool): its lane says goodbye
     and closes. The receiver thread ends without a warning, a request still expected on the
     channel fails (nothing more can come for it), and the next reservation gets a new key."""
-    sending, receiving = transport_named(name), transport_named(name)
-    shape = (4, 4, LAYOUT.kv_heads, LAYOUT.head_dim)
-    caches = [(torch.zeros(shape), torch.zeros(shape)) for _ in range(LAYOUT.num_layers)]
-    events = Events()
-    rendezvous = Rendezvous("127.0.0.1")
-    receiver = KVReceiver(receiving, rendezvous, caches, "d0", events.add, TIMEOUT)
-    sender = KVSender(sending, TIMEOUT, lambda *report: None)
+    transports, _, events, rendezvous, receiver, sender = _pair(name, num_blocks=4)
     key = receiver.channel_key("p0")
     owed = Ticket("r#1", "d0", rendezvous.endpoint, key, 0, NUM_TOKENS, LAYOUT, TIMEOUT)
     try:
         with caplog.at_level("INFO", logger="kvtransfer.receiver"):
             receiver.expect("r#1", key, SLOTS, 0)
             sender.open(owed)
-            deadline = time.monotonic() + TIMEOUT
-            while receiver.open_channels != 1 and time.monotonic() < deadline:
-                time.sleep(0.01)
+            _wait_until(lambda: receiver.open_channels == 1)
             sender.forget_peer("d0")
             failed = events.wait_for("r#1")
-            while receiver.open_channels and time.monotonic() < deadline:
-                time.sleep(0.01)
+            _wait_until(lambda: receiver.open_channels == 0)
         assert "closed: decode worker d0 left its pool" in failed.reason
         assert receiver.open_channels == 0 and sender.open_lanes == 0
         records = [r for r in caplog.records if r.name == "kvtransfer.receiver"]
@@ -256,5 +264,5 @@ def test_a_channel_closed_on_purpose_ends_quietly_and_fails_what_it_still_owed(
         assert receiver.channel_key("p0") != key  # a new channel for the next reservation
     finally:
         sender.close()
-        for transport in (sending, receiving):
+        for transport in transports:
             close_transport(transport)
