@@ -74,6 +74,7 @@ sys.path.insert(0, str(ROOT))
 from cli.defaults import default_of  # noqa: E402
 from cli.serve import parse_size  # noqa: E402
 from engine.config import EngineConfig  # noqa: E402
+from loadtest import event_loop  # noqa: E402
 from loadtest.client import (  # noqa: E402
     RequestResult,
     TextTiming,
@@ -530,7 +531,7 @@ def engine_session(model: Path, workload: Workload, args: argparse.Namespace) ->
     threads = args.engine_threads or os.cpu_count() or 1
     async_engine = AsyncEngine(engine, Tokenizer(model), num_threads=threads)
     endpoint = EngineEndpoint(async_engine, workload.sampling, args.request_timeout)
-    return asyncio.run(_engine_rounds(endpoint, workload, args.concurrency))
+    return event_loop.run(_engine_rounds(endpoint, workload, args.concurrency))
 
 
 async def _engine_rounds(
@@ -696,7 +697,7 @@ def http_session(base_url: str, workload: Workload, args: argparse.Namespace) ->
     config = TargetConfig(base_url, "/v1/completions", None, None, args.request_timeout)
     with httpx.Client(timeout=CONNECT_TIMEOUT_S, trust_env=False) as http:
         target = build_target(config, resolve_model(http, config))
-    return asyncio.run(_http_rounds(target, base_url, workload, args))
+    return event_loop.run(_http_rounds(target, base_url, workload, args))
 
 
 async def _http_rounds(

@@ -4,7 +4,6 @@ results are saved, so a failed run still leaves its partial results behind."""
 
 from __future__ import annotations
 
-import asyncio
 import datetime
 import math
 from collections.abc import Sequence
@@ -15,6 +14,7 @@ from typing import TextIO
 
 import httpx
 
+from loadtest import event_loop
 from loadtest.client import RequestResult
 from loadtest.config import BenchConfig, LoadConfig
 from loadtest.datasets import sample_requests
@@ -56,7 +56,7 @@ def measure_once(
     load: LoadConfig,
 ) -> Record:
     """One run at `load`; `model_id` is --model (or the first listed), as vLLM records it."""
-    outcome = asyncio.run(
+    outcome = event_loop.run(
         run_load(
             target,
             samples,

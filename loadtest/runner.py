@@ -95,7 +95,10 @@ async def _measure(
     started_at = time.perf_counter()
 
     async def one(index: int) -> RequestResult:
-        await asyncio.sleep(max(0.0, started_at + offsets[index] - time.perf_counter()))
+        due = started_at + offsets[index]
+        # uvloop's timers count whole milliseconds and may fire up to one early: sleep again.
+        while (wait := due - time.perf_counter()) > 0:
+            await asyncio.sleep(wait)
         async with gate:
             phases[index] = _Phase.SENT
             result = await sender.send(samples[index])
