@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import AsyncIterator
+from functools import partial
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
@@ -23,6 +24,7 @@ from coordinator.api.responses import (
     Delta,
     Usage,
 )
+from coordinator.api.sse import TextFrames
 from engine.outputs import RequestOutput
 
 router = APIRouter()
@@ -74,7 +76,7 @@ def _choice(
 
 async def _chunks(
     ctx: ServerContext, job: Job, body: ChatCompletionRequest, outputs: Outputs
-) -> AsyncIterator[ChatCompletionChunk]:
+) -> AsyncIterator[ChatCompletionChunk | bytes]:
     def chunk(choices: list[ChatChunkChoice], usage: Usage | None = None) -> ChatCompletionChunk:
         return ChatCompletionChunk(
             id=job.request_id, created=job.created, model=job.model, choices=choices, usage=usage
@@ -83,7 +85,12 @@ async def _chunks(
     # OpenAI opens every choice with a role-only delta.
     for c in job.choices:
         yield chunk([ChatChunkChoice(index=c.index, delta=Delta(role="assistant", content=""))])
+
+    def text_chunk(index: int, text: str) -> ChatCompletionChunk:
+        return chunk([ChatChunkChoice(index=index, delta=Delta(content=text))])
+
     latest: dict[int, RequestOutput] = {}
+    plain: dict[int, TextFrames] = {}  # per choice: its chunks of text alone, framed fast
     async for index, out in outputs:
         latest[index] = out
         logprobs: ChatLogprobs | None = None
@@ -91,6 +98,11 @@ async def _chunks(
             logprobs = chat_logprobs(ctx.token_texts, *new_logprobs(out))
         if not (out.delta_text or out.finished or logprobs):
             continue  # text held back (a stop string may be starting): nothing to say yet
+        if logprobs is None and not out.finished:  # the common chunk: text alone
+            if index not in plain:
+                plain[index] = TextFrames(partial(text_chunk, index))
+            yield plain[index].frame(out.delta_text)
+            continue
         choice = ChatChunkChoice(
             index=index,
             delta=Delta(content=out.delta_text),

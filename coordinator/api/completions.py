@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import AsyncIterator
+from functools import partial
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
@@ -14,6 +15,7 @@ from coordinator.api.logprobs import all_logprobs, completion_logprobs, new_logp
 from coordinator.api.prompts import build_params, completion_prompts
 from coordinator.api.protocol import CompletionRequest
 from coordinator.api.responses import Completion, CompletionChoice, CompletionLogprobs
+from coordinator.api.sse import TextFrames
 from engine.outputs import RequestOutput
 
 router = APIRouter()
@@ -60,9 +62,16 @@ def _choice(
 
 async def _chunks(
     ctx: ServerContext, job: Job, body: CompletionRequest, outputs: Outputs
-) -> AsyncIterator[Completion]:
+) -> AsyncIterator[Completion | bytes]:
+    def chunk(choice: CompletionChoice) -> Completion:
+        return Completion(id=job.request_id, created=job.created, model=job.model, choices=[choice])
+
+    def text_chunk(index: int, text: str) -> Completion:
+        return chunk(CompletionChoice(index=index, text=text))
+
     latest: dict[int, RequestOutput] = {}
     offsets: dict[int, int] = {}  # text characters sent per choice, for logprobs' text_offset
+    plain: dict[int, TextFrames] = {}  # per choice: its chunks of text alone, framed fast
     async for index, out in outputs:
         latest[index] = out
         logprobs: CompletionLogprobs | None = None
@@ -72,6 +81,11 @@ async def _chunks(
             offsets[index] = offset + sum(len(t) for t in logprobs.tokens)
         if not (out.delta_text or out.finished or logprobs):
             continue  # text held back (a stop string may be starting): nothing to say yet
+        if logprobs is None and not out.finished:  # the common chunk: text alone
+            if index not in plain:
+                plain[index] = TextFrames(partial(text_chunk, index))
+            yield plain[index].frame(out.delta_text)
+            continue
         choice = CompletionChoice(
             index=index,
             text=out.delta_text,
@@ -79,7 +93,7 @@ async def _chunks(
             finish_reason=out.finish_reason,
             stop_reason=out.stop_reason,
         )
-        yield Completion(id=job.request_id, created=job.created, model=job.model, choices=[choice])
+        yield chunk(choice)
     if body.include_usage:
         yield Completion(
             id=job.request_id,

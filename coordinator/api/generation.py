@@ -100,9 +100,10 @@ async def run_job(ctx: ServerContext, job: Job, on_output: Callable[[int], None]
 
 
 def stream_job(
-    ctx: ServerContext, job: Job, render: Callable[[Outputs], AsyncIterator[BaseModel]]
+    ctx: ServerContext, job: Job, render: Callable[[Outputs], AsyncIterator[BaseModel | bytes]]
 ) -> EventStream:
-    """An SSE response for `job`; `render` turns its outputs into chunks. Admission happens
+    """An SSE response for `job`; `render` turns its outputs into chunks (models, or frames
+    built already: coordinator/api/sse.py TextFrames). Admission happens
     now (a full queue is a plain 503), the ticket is released when the stream ends."""
     ticket = ctx.admission.admit(len(job.choices))
     return EventStream(render(run_job(ctx, job, ticket.started)), on_close=ticket.release)

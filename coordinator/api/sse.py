@@ -6,6 +6,7 @@ chunk `data: {"error": {...}}`, still followed by `[DONE]`, so clients see why i
 
 from __future__ import annotations
 
+import json
 from collections.abc import AsyncIterator, Callable
 
 from pydantic import BaseModel
@@ -22,18 +23,46 @@ def frame(payload: BaseModel) -> bytes:
     return b"data: " + payload.model_dump_json().encode() + b"\n\n"
 
 
+# A JSON string as pydantic writes one: UTF-8 as is, the short escapes for \b \f \n \r \t,
+# \u00XX for the other control characters (tests/api/test_sse.py checks every character class).
+_json_string = json.JSONEncoder(ensure_ascii=False).encode
+_MARKER = "tandem-text-goes-here"
+
+
+class TextFrames:
+    """The frames of one choice's plain text chunks (no logprobs, not the last), built fast.
+
+    `template` is the chunk with the marker as its text, rendered once by pydantic; each chunk
+    then costs one JSON string encoding instead of a model build and dump (0.2 us against 4.5,
+    at one chunk per token per stream). The result is byte for byte the model's own frame."""
+
+    def __init__(self, template: Callable[[str], BaseModel]) -> None:
+        head, marker, tail = frame(template(_MARKER)).partition(_json_string(_MARKER).encode())
+        if not marker or _MARKER.encode() in tail:
+            raise ValueError("the template must hold the text exactly once")
+        self._head, self._tail = head, tail
+        self._model = template
+
+    def frame(self, text: str) -> bytes:
+        try:
+            return self._head + _json_string(text).encode() + self._tail
+        except UnicodeEncodeError:  # a lone surrogate: left to pydantic, as any other chunk
+            return frame(self._model(text))
+
+
 class ErrorChunk(BaseModel):
     error: dict
 
 
 async def frames(
-    events: AsyncIterator[BaseModel], on_close: Callable[[], None]
+    events: AsyncIterator[BaseModel | bytes], on_close: Callable[[], None]
 ) -> AsyncIterator[bytes]:
+    """`events` are chunk models, or frames already built (TextFrames)."""
     try:
         async with closing(events):
             try:
                 async for event in events:
-                    yield frame(event)
+                    yield event if isinstance(event, bytes) else frame(event)
             except Exception as err:
                 yield frame(ErrorChunk(error=as_api_error(err).body()["error"]))
         yield DONE
@@ -45,7 +74,9 @@ class EventStream(StreamingResponse):
     """A streaming response whose body is closed as soon as sending stops, for whatever
     reason; closing it aborts the requests behind it."""
 
-    def __init__(self, events: AsyncIterator[BaseModel], on_close: Callable[[], None]) -> None:
+    def __init__(
+        self, events: AsyncIterator[BaseModel | bytes], on_close: Callable[[], None]
+    ) -> None:
         super().__init__(
             frames(events, on_close),
             media_type="text/event-stream",
