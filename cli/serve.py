@@ -63,6 +63,14 @@ def _add_http_flags(g: argparse._ArgumentGroup) -> None:
         "default: $TANDEM_API_KEY, else no key",
     )
     g.add_argument(
+        "--stream-interval",
+        type=int,
+        default=_deploy("stream_interval"),
+        metavar="N",
+        help="streamed tokens per chunk (the first and the last are sent at once): more costs "
+        "the server less per token, and makes streams burstier",
+    )
+    g.add_argument(
         "--max-queue",
         type=int,
         default=default_of(ServerSettings, "max_queue"),
@@ -419,6 +427,7 @@ def deploy_config(args: argparse.Namespace) -> DeployConfig:
         planner_profile=args.planner_profile,
         planner_max_workers=args.planner_max_workers,
         planner_interval=args.planner_interval,
+        stream_interval=args.stream_interval,
     )
 
 

@@ -126,6 +126,7 @@ def build_client(engine: EngineConfig, deploy: DeployConfig) -> Coordinator:
             route_costs=route_costs(deploy, model.path),
             placement_timeout=deploy.placement_timeout,
             late_after_s=late_after_s,
+            stream_interval=deploy.stream_interval,
             # Decode workers connect back to this process with their token updates.
             update_host="127.0.0.1" if deploy.address is None else ray.util.get_node_ip_address(),
         ),

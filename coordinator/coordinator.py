@@ -74,6 +74,7 @@ class CoordinatorConfig:
     late_after_s: float | None = None
     placement_timeout: float = 30.0  # Ray must have placed every first worker by then
     update_host: str = "127.0.0.1"  # where decode workers reach this process (update streams)
+    stream_interval: int = 1  # tokens per streamed output (the first and the last go at once)
     supervision: SupervisorConfig = SupervisorConfig()
 
     def prefill_timeout(self, num_tokens: int) -> float:
@@ -301,7 +302,9 @@ class Coordinator:
     ) -> AsyncIterator[RequestOutput]:
         self.check_request(prompt_ids, params)
         request_id = request_id or f"req-{next(self._ids)}"
-        request = TrackedRequest(request_id, list(prompt_ids), params, self.tokenizer)
+        request = TrackedRequest(
+            request_id, list(prompt_ids), params, self.tokenizer, self.config.stream_interval
+        )
         arrived, first = request.arrived_at, None
         self.window.arrived(arrived, len(prompt_ids))
         driver = asyncio.create_task(self._drive(request))

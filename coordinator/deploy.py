@@ -37,6 +37,7 @@ class DeployConfig:
     planner_profile: Path | None = None  # step cost model; default: <model>/tandem-profile.json
     planner_max_workers: int | None = None  # default: the workers launched
     planner_interval: float = 2.0  # seconds between decisions
+    stream_interval: int = 1  # tokens per streamed chunk: more costs the server less per token
 
     def __post_init__(self) -> None:
         if self.routing not in ROUTING_POLICIES:
@@ -47,6 +48,8 @@ class DeployConfig:
             raise ConfigError(f"mode must be one of {', '.join(MODES)}, not {self.mode!r}")
         if self.num_decode < 1 or self.num_prefill < (self.mode == "disaggregated"):
             raise ConfigError("disaggregated mode needs at least one prefill and one decode worker")
+        if self.stream_interval < 1:
+            raise ConfigError("--stream-interval must be at least 1")
         if self.planner not in PLANNER_MODES:
             raise ConfigError(f"planner must be one of {', '.join(PLANNER_MODES)}")
         if self.planner != "off" and self.planner_slo is None:

@@ -20,7 +20,12 @@ from protocol.sampling import FinishReason, SamplingParams, TokenLogprobs
 
 class TrackedRequest:
     def __init__(
-        self, request_id: str, prompt_ids: list[int], params: SamplingParams, tokenizer: Tokenizer
+        self,
+        request_id: str,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        tokenizer: Tokenizer,
+        stream_interval: int = 1,
     ) -> None:
         self.request_id = request_id
         self.prompt_ids = prompt_ids
@@ -41,6 +46,11 @@ class TrackedRequest:
         self.broken_channel: tuple[str, str] | None = None
         self.num_cached_tokens = 0
         self.queue_seconds: float | None = None
+        # Tokens reach the stream `stream_interval` at a time (the first and the last at once);
+        # these arrived since the last output.
+        self.stream_interval = stream_interval
+        self._held_ids: list[int] = []
+        self._held_logprobs: list[TokenLogprobs | None] = []
 
     @property
     def worker_request_id(self) -> str:
@@ -97,6 +107,32 @@ class TrackedRequest:
         stop_token_id: int | None,
     ) -> bool:
         self.output_ids.extend(token_ids)
+        if self._holds(len(token_ids), finish_reason):
+            self._held_ids += token_ids
+            self._held_logprobs += logprobs
+            return False
+        return self._send(token_ids, logprobs, finish_reason, stop_token_id)
+
+    def _holds(self, num_new: int, finish_reason: FinishReason | None) -> bool:
+        """Whether new tokens wait for more: not the first ones, nor the last, nor a full
+        interval's worth."""
+        return (
+            finish_reason is None
+            and bool(self.frontend.token_ids)
+            and len(self._held_ids) + num_new < self.stream_interval
+        )
+
+    def _send(
+        self,
+        token_ids: list[int],
+        logprobs: list[TokenLogprobs | None],
+        finish_reason: FinishReason | None,
+        stop_token_id: int | None,
+    ) -> bool:
+        """Hands the held tokens and these to the stream as one output."""
+        if self._held_ids:
+            token_ids, logprobs = self._held_ids + token_ids, self._held_logprobs + logprobs
+            self._held_ids, self._held_logprobs = [], []
         update = TokenUpdate(
             request_id=self.request_id,
             first_index=len(self.output_ids) - len(token_ids),
@@ -117,6 +153,8 @@ class TrackedRequest:
         return stop_string_hit
 
     def fail(self, err: Exception) -> None:
+        if self._held_ids and not self.finished:  # what was generated reaches the client first
+            self._send([], [], None, None)
         self.failed = True
         self.stream.put_nowait(StreamFailed(err))
         self.ended.set()

@@ -268,3 +268,13 @@ def test_cost_routing_is_priced_from_the_models_step_profile(tmp_path) -> None:
     (tmp_path / "tandem-profile.json").write_text("{}")
     with pytest.raises(ConfigError, match="tandem-profile.json: not a"):
         route_costs(DeployConfig(routing="cost"), tmp_path)
+
+
+def test_stream_interval_flag_and_its_error(tiny_llama) -> None:
+    from engine.config import ConfigError
+
+    args = serve_args("--model", str(tiny_llama), "--stream-interval", "4")
+    assert deploy_config(args).stream_interval == 4
+    assert deploy_config(serve_args("--model", str(tiny_llama))).stream_interval == 1
+    with pytest.raises(ConfigError, match="--stream-interval must be at least 1"):
+        deploy_config(serve_args("--model", str(tiny_llama), "--stream-interval", "0"))

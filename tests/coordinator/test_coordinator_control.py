@@ -465,3 +465,18 @@ def test_shutdown_places_no_new_attempt() -> None:
         await tokens.aclose()
 
     run(main())
+
+
+def test_a_stream_interval_sends_tokens_in_fours_after_the_first() -> None:
+    async def main() -> None:
+        cluster = FakeCluster(replace(CONFIG, stream_interval=4))
+        async with cluster.running() as coordinator:
+            outputs, err = await stream(coordinator, SamplingParams(max_tokens=8))
+        assert err is None
+        assert streamed_tokens(outputs) == OUTPUT[:8]
+        assert len(outputs[0].delta_token_ids) <= 2  # the first update goes at once
+        assert all(len(o.delta_token_ids) >= 4 for o in outputs[1:-1])
+        assert len(outputs) <= 3  # the first, then 4, then the rest with the finish
+        assert outputs[-1].finish_reason == "length" and outputs[-1].text == text_of(OUTPUT[:8])
+
+    run(main())

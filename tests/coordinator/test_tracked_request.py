@@ -162,3 +162,50 @@ def test_ended_wakes_a_waiter() -> None:
         return request.lost_reason
 
     assert asyncio.run(main()) == "token 0 never arrived"
+
+
+def held(interval: int, params: SamplingParams | None = None) -> TrackedRequest:
+    request = TrackedRequest("r", PROMPT, params or SamplingParams(), FakeTokenizer(), interval)  # type: ignore[arg-type]
+    request.next_attempt()
+    return request
+
+
+def test_a_stream_interval_holds_tokens_between_the_first_and_the_last() -> None:
+    request = held(4)
+    for i, token in enumerate(range(10, 20)):
+        request.accept(update(i, [token]))
+    request.accept(update(10, [20], FinishReason.LENGTH))
+    deltas = [o.delta_token_ids for o in drain(request)]
+    assert deltas == [[10], [11, 12, 13, 14], [15, 16, 17, 18], [19, 20]]
+    assert request.output_ids == list(range(10, 21))  # a retry resumes after every token
+
+
+def test_held_tokens_reach_the_client_before_a_failure() -> None:
+    request = held(8)
+    request.accept(update(0, [10]))
+    request.accept(update(1, [11, 12]))
+    request.fail(EngineDeadError("gone"))
+    first, second, failure = drain(request)
+    assert (first.delta_token_ids, second.delta_token_ids) == ([10], [11, 12])
+    assert second.text == "klm" and isinstance(failure, StreamFailed)
+
+
+def test_held_tokens_survive_a_lost_attempt() -> None:
+    request = held(4)
+    request.accept(update(0, [10]))
+    request.accept(update(1, [11]))
+    request.lose("worker died")
+    work = request.next_attempt()
+    assert work.output_ids == [10, 11]
+    request.accept(TokenUpdate("r#2", 2, [12, 13, 14], [None] * 3, None))  # type: ignore[arg-type]
+    assert [o.delta_token_ids for o in drain(request)] == [[10], [11, 12, 13, 14]]
+
+
+def test_a_stop_string_in_held_tokens_ends_the_request_when_they_go_out() -> None:
+    request = held(4, SamplingParams(stop=["lm"]))
+    request.accept(update(0, [10]))
+    assert request.accept(update(1, [11])) is False  # held: not looked at yet
+    assert request.accept(update(2, [12])) is False
+    assert request.accept(update(3, [13, 14])) is True  # out: "klmno" holds the stop string
+    *_, last = drain(request)
+    assert (last.text, last.finish_reason, last.stop_reason) == ("k", "stop", "lm")
