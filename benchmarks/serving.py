@@ -18,7 +18,8 @@ every target rather than on one:
 - 1p1d: `tandem serve --mode disaggregated --prefill-workers 1 --decode-workers 1` (the decode
   worker on every core, the prefill worker on cores / 2: `coordinator/builder.py`'s split);
 - 1p1d-shared (not a default): 1p1d with every worker on every core; colocated-tp2 (not a
-  default): one colocated worker of two tensor-parallel ranks;
+  default): one colocated worker of two tensor-parallel ranks; colocated-interval4 (not a
+  default): colocated with `--stream-interval 4`;
 - a peer given by `--peer NAME=URL`: any OpenAI-compatible server already running on this host
   (a vLLM CPU server, say), serving the one model given with `--models`. It runs all along; while
   other targets run its process group is stopped (SIGSTOP; `--no-pause-peers` leaves it idling
@@ -115,6 +116,10 @@ LAYOUTS = {  # served targets: their `tandem serve` layout flags
     # than waiting behind the prefill worker's queue (conditional disaggregation).
     "1p1d-cost": ("--mode", "disaggregated", "--prefill-workers", "1", "--decode-workers", "1",
                   "--routing", "cost"),
+    # Colocated with tokens streamed four at a time after the first (`--stream-interval 4`):
+    # what the per-token HTTP path costs, as the throughput it gives back; burstier streams.
+    "colocated-interval4": ("--mode", "colocated", "--prefill-workers", "0",
+                            "--decode-workers", "1", "--stream-interval", "4"),
     # Not in the default targets: SmolLM2-135M's 9 heads do not split 2 ways (overhead's do).
     "colocated-tp2": ("--mode", "colocated", "--prefill-workers", "0", "--decode-workers", "1",
                       "--tensor-parallel-size", "2"),
