@@ -7,8 +7,10 @@
 #     run(command="bash deploy/gpu_run.sh tests bench eager", ...)   # steps, in this order
 #
 # bench (the default, with tests after it): benchmarks/serving.py, in-process against
-# `tandem serve` on the one GPU (TARGETS, default stepped, in-process, colocated and 1P1D, every
-# worker on half the GPU: --gpus-per-worker 0.5), at CONCURRENCY streams (default 16 and 64) over
+# `tandem serve` on the one GPU (TARGETS, default stepped, in-process, colocated, colocated with
+# --stream-interval 4 and 1P1D, every worker on half the GPU: --gpus-per-worker 0.5; at 64
+# streams the serving process bounds a GPU, and the interval shows what its per-token path costs
+# there), at CONCURRENCY streams (default 16 and 64) over
 # ROUNDS interleaved rounds (default 1), on "gpu-0.5b": Qwen2.5-0.5B's shape with random
 # weights and SmolLM2's tokenizer, built there from .gpukit/source;
 # eager: the same with --enforce-eager (no CUDA graphs), stepped and colocated, one round;
@@ -56,7 +58,7 @@ for step in $STEPS; do
     bench)
         # shellcheck disable=SC2086
         serving serving-gpu "${BENCH_S:-300}" --rounds "${ROUNDS:-1}" \
-            --targets ${TARGETS:-stepped inprocess colocated 1p1d}
+            --targets ${TARGETS:-stepped inprocess colocated colocated-interval4 1p1d}
         status=$((status | $?))
         ;;
     eager)
