@@ -105,31 +105,15 @@ class TrackedRequest:
         logprobs: list[TokenLogprobs | None],
         finish_reason: FinishReason | None,
         stop_token_id: int | None,
+        flush: bool = False,
     ) -> bool:
+        """Hands these tokens, with any held before, to the stream as one output, unless the
+        stream interval holds them (`flush`: never)."""
         self.output_ids.extend(token_ids)
-        if self._holds(len(token_ids), finish_reason):
+        if not flush and self._holds(len(token_ids), finish_reason):
             self._held_ids += token_ids
             self._held_logprobs += logprobs
             return False
-        return self._send(token_ids, logprobs, finish_reason, stop_token_id)
-
-    def _holds(self, num_new: int, finish_reason: FinishReason | None) -> bool:
-        """Whether new tokens wait for more: not the first ones, nor the last, nor a full
-        interval's worth."""
-        return (
-            finish_reason is None
-            and bool(self.frontend.token_ids)
-            and len(self._held_ids) + num_new < self.stream_interval
-        )
-
-    def _send(
-        self,
-        token_ids: list[int],
-        logprobs: list[TokenLogprobs | None],
-        finish_reason: FinishReason | None,
-        stop_token_id: int | None,
-    ) -> bool:
-        """Hands the held tokens and these to the stream as one output."""
         if self._held_ids:
             token_ids, logprobs = self._held_ids + token_ids, self._held_logprobs + logprobs
             self._held_ids, self._held_logprobs = [], []
@@ -152,9 +136,18 @@ class TrackedRequest:
             self.ended.set()
         return stop_string_hit
 
+    def _holds(self, num_new: int, finish_reason: FinishReason | None) -> bool:
+        """Whether new tokens wait for more: not the first ones, nor the last, nor a full
+        interval's worth."""
+        return (
+            finish_reason is None
+            and bool(self.frontend.token_ids)
+            and len(self._held_ids) + num_new < self.stream_interval
+        )
+
     def fail(self, err: Exception) -> None:
         if self._held_ids and not self.finished:  # what was generated reaches the client first
-            self._send([], [], None, None)
+            self._emit([], [], None, None, flush=True)
         self.failed = True
         self.stream.put_nowait(StreamFailed(err))
         self.ended.set()
