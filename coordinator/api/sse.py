@@ -24,7 +24,8 @@ def frame(payload: BaseModel) -> bytes:
 
 
 # A JSON string as pydantic writes one: UTF-8 as is, the short escapes for \b \f \n \r \t,
-# \u00XX for the other control characters (tests/api/test_sse.py checks every character class).
+# \u00XX for the other control characters (tests/coordinator/api/test_sse_frames.py checks
+# every character class).
 _json_string = json.JSONEncoder(ensure_ascii=False).encode
 _MARKER = "tandem-text-goes-here"
 
