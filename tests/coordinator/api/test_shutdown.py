@@ -89,3 +89,16 @@ def test_failure_without_streaming_is_a_plain_503(failing) -> None:
     response = httpx.post(failing.url + "/v1/completions", json=body)
     assert response.status_code == 503
     assert "decode worker lost" in response.json()["error"]["message"]
+
+
+def test_a_started_server_freezes_its_startup_objects(tiny_llama) -> None:
+    import gc
+
+    gc.unfreeze()  # an earlier server in this process may have frozen some already
+    server = draining_server(local_client(tiny_llama), grace_s=0.3)
+    try:
+        # right after `started`: the tokenizer, the app's models, the engine
+        assert wait_until(lambda: gc.get_freeze_count() > 10_000, timeout=10)
+    finally:
+        server.server.handle_exit(signal.SIGTERM, None)
+        server.thread.join(timeout=10)
