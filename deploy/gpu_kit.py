@@ -1,10 +1,10 @@
 """Packs what a lent GPU machine needs and lacks into .gpukit/, for deploy/gpu_run.sh there.
 
-    python deploy/gpu_kit.py            # here, with PyPI reachable: ~55 MB in .gpukit/
+    python deploy/gpu_kit.py            # here, with PyPI reachable: ~60 MiB in .gpukit/
     device run, carry [".gpukit"]:  bash deploy/gpu_run.sh
 
 That machine reaches no package registry. It has Python 3.12, torch, Triton, transformers,
-safetensors, msgpack, httpx, aiohttp, pytest; it lacks Ray, FastAPI, uvicorn and pydantic,
+safetensors, msgpack, httpx, aiohttp, pytest; it lacks Ray, FastAPI, uvicorn, uvloop and pydantic,
 whatever they need beyond its own packages, and py-spy. So this downloads those wheels for
 CPython 3.12 (the versions pinned below are the ones the CPU machine's tests ran with), drops
 Ray's Java jars (32 MB that only Java workers load: the rest of a call's 64 MiB is for the
@@ -35,6 +35,9 @@ WHEELS = (
     "starlette==1.10.0",
     "uvicorn==0.54.0",
     "httptools==0.9.0",
+    # The event loop a real install serves on (uvicorn picks it up) and the clients run on
+    # (loadtest/event_loop.py); without it a GPU run measured asyncio's slower loop.
+    "uvloop==0.23.0",
     "pydantic==2.14.4",
     "pydantic_core==2.50.5",
     "annotated-types==0.8.0",
