@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import time
 from collections.abc import AsyncIterator
-from functools import partial
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
@@ -90,7 +89,7 @@ async def _chunks(
         return chunk([ChatChunkChoice(index=index, delta=Delta(content=text))])
 
     latest: dict[int, RequestOutput] = {}
-    plain: dict[int, TextFrames] = {}  # per choice: its chunks of text alone, framed fast
+    plain = TextFrames(text_chunk)  # chunks of text alone, framed fast
     async for index, out in outputs:
         latest[index] = out
         logprobs: ChatLogprobs | None = None
@@ -99,9 +98,7 @@ async def _chunks(
         if not (out.delta_text or out.finished or logprobs):
             continue  # text held back (a stop string may be starting): nothing to say yet
         if logprobs is None and not out.finished:  # the common chunk: text alone
-            if index not in plain:
-                plain[index] = TextFrames(partial(text_chunk, index))
-            yield plain[index].frame(out.delta_text)
+            yield plain.frame(index, out.delta_text)
             continue
         choice = ChatChunkChoice(
             index=index,

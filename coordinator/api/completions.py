@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import time
 from collections.abc import AsyncIterator
-from functools import partial
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
@@ -71,7 +70,7 @@ async def _chunks(
 
     latest: dict[int, RequestOutput] = {}
     offsets: dict[int, int] = {}  # text characters sent per choice, for logprobs' text_offset
-    plain: dict[int, TextFrames] = {}  # per choice: its chunks of text alone, framed fast
+    plain = TextFrames(text_chunk)  # chunks of text alone, framed fast
     async for index, out in outputs:
         latest[index] = out
         logprobs: CompletionLogprobs | None = None
@@ -82,9 +81,7 @@ async def _chunks(
         if not (out.delta_text or out.finished or logprobs):
             continue  # text held back (a stop string may be starting): nothing to say yet
         if logprobs is None and not out.finished:  # the common chunk: text alone
-            if index not in plain:
-                plain[index] = TextFrames(partial(text_chunk, index))
-            yield plain[index].frame(out.delta_text)
+            yield plain.frame(index, out.delta_text)
             continue
         choice = CompletionChoice(
             index=index,

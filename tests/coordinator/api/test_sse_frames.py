@@ -36,21 +36,21 @@ def chat(index: int, text: str) -> ChatCompletionChunk:
 @pytest.mark.parametrize("model", [completion, chat])
 @pytest.mark.parametrize("text", TEXTS)
 def test_a_text_frame_is_the_models_own_frame(model, text: str) -> None:
-    frames = TextFrames(lambda t: model(3, t))
-    assert frames.frame(text) == frame(model(3, text))
+    frames = TextFrames(model)
+    assert frames.frame(3, text) == frame(model(3, text))
 
 
 def test_a_lone_surrogate_is_left_to_pydantic() -> None:
-    frames = TextFrames(lambda t: completion(0, t))
+    frames = TextFrames(completion)
     try:
         expected = frame(completion(0, "a\ud800b"))
     except Exception as err:  # pydantic refuses it: so must the fast path
         with pytest.raises(type(err)):
-            frames.frame("a\ud800b")
+            frames.frame(0, "a\ud800b")
     else:
-        assert frames.frame("a\ud800b") == expected
+        assert frames.frame(0, "a\ud800b") == expected
 
 
 def test_a_template_must_carry_the_text() -> None:
     with pytest.raises(ValueError, match="exactly once"):
-        TextFrames(lambda t: completion(0, "fixed"))
+        TextFrames(lambda i, t: completion(i, "fixed")).frame(0, "x")
