@@ -21,10 +21,16 @@ from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
 
 
+# The parent of a sequence's first block. Python hashes int tuples the same in every process
+# (no per-process salt), which lets the router compare its prefix hashes with the ones workers
+# report. Not None: before Python 3.12, hash(None) is the object's address, different in every
+# process, so no hash computed in one process matched another's.
+ROOT_HASH = 0
+
+
 def block_hash(parent: int | None, tokens: Sequence[int]) -> int:
-    # Python hashes int tuples the same in every process (no per-process salt), which lets
-    # workers compare prefix hashes with each other.
-    return hash((parent, *tokens))
+    """`parent`: the previous block's hash, None for a first block."""
+    return hash((ROOT_HASH if parent is None else parent, *tokens))
 
 
 def chain_hashes(
@@ -35,7 +41,7 @@ def chain_hashes(
     first = len(hashes)
     if count <= first:
         return hashes
-    parent = hashes[-1] if hashes else None
+    parent = hashes[-1] if hashes else ROOT_HASH
     tokens = token_ids[first * block_size : count * block_size]  # one slice, not one per block
     for start in range(0, (count - first) * block_size, block_size):
         parent = hash((parent, *tokens[start : start + block_size]))  # block_hash, inlined

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 
-from engine.block_manager import BlockManager, block_hash, num_blocks_for
+from engine.block_manager import BlockManager, block_hash, chain_hashes, num_blocks_for
 
 BS = 4
 
@@ -142,3 +146,16 @@ def test_prefix_caching_off_never_matches() -> None:
     bm = BlockManager(4, BS, enable_prefix_caching=False)
     fill(bm, [1, 2, 3, 4])
     assert bm.match_prefix([1, 2, 3, 4]) == []
+
+
+def test_block_hashes_are_the_same_in_every_process() -> None:
+    # The router compares its prompt hashes with the hashes workers (other processes) report.
+    code = (
+        "from engine.block_manager import chain_hashes; "
+        "print(chain_hashes(list(range(40)), 4, [], 10))"
+    )
+    root = Path(__file__).resolve().parents[2]
+    theirs = subprocess.run(
+        [sys.executable, "-c", code], cwd=root, capture_output=True, text=True, check=True
+    ).stdout
+    assert theirs.strip() == str(chain_hashes(list(range(40)), BS, [], 10))
