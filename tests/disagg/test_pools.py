@@ -12,6 +12,7 @@ import pytest
 import ray
 import torch
 
+from coordinator.router import prefix_hashes
 from engine.config import ModelConfig
 from engine.llm import LLM
 from protocol.core_ledger import PREFIX, CoreLedger, ledger_dir
@@ -129,3 +130,22 @@ def test_short_prompts_prefill_on_the_decode_worker(
     cfg = ModelConfig.from_pretrained(tiny_llama)
     per_token = cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * 4  # float32 K and V
     assert prefill.kv_transfer_bytes == decode.kv_transfer_bytes == long_tokens * per_token
+
+
+def test_the_router_matches_prompts_against_what_worker_processes_report(
+    tiny_llama, build_pool, loop, prompts, expected
+) -> None:
+    """Workers are other processes: the block hashes their caches report must be the ones the
+    router computes for a prompt (before Python 3.12, hash(None) differs per process, and
+    hashes chained from it never matched: engine/block_manager.py ROOT_HASH)."""
+    client = build_pool(tiny_llama, num_prefill=1, num_decode=1)
+    assert run_all(loop, client, prompts[:1], tag="h") == expected[:1]
+    digests = set(prefix_hashes(prompts[0], 4))
+    assert digests  # at least one full block
+    loads = (client.router.prefill["prefill-0"], client.router.decode["decode-0"])
+    for _ in range(100):  # reports come with the 1 s stats poll: 10 s at most
+        if all(digests <= load.cached for load in loads):
+            break
+        time.sleep(0.1)
+    assert digests <= loads[0].cached  # it computed them
+    assert digests <= loads[1].cached  # their KV arrived there
