@@ -20,7 +20,6 @@ from __future__ import annotations
 from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
 
-
 # The parent of a sequence's first block. Python hashes int tuples the same in every process
 # (no per-process salt), which lets the router compare its prefix hashes with the ones workers
 # report. Not None: before Python 3.12, hash(None) is the object's address, different in every
