@@ -168,6 +168,9 @@ class LLMEngine:
         (or finishes at once if that token stops it)."""
         seq = self.reserved.pop(request_id)
         self.sequences[request_id] = seq
+        generator = self.generators.get(request_id)
+        if generator is not None and not seq.params.greedy:
+            skip_draws(generator, 1)  # the prefill worker's draw for `token_id`
         self.scheduler.add_running(seq)
         return self._update([seq], [token_id], [logprobs])[0]
 

@@ -149,3 +149,14 @@ def test_the_router_matches_prompts_against_what_worker_processes_report(
         time.sleep(0.1)
     assert digests <= loads[0].cached  # it computed them
     assert digests <= loads[1].cached  # their KV arrived there
+
+
+def test_seeded_sampling_is_the_same_disaggregated(tiny_llama, build_pool, loop, prompts) -> None:
+    """A seeded request takes one draw per token from its own generator wherever the token is
+    sampled: the prefill worker's first token spends draw 0, the decode worker goes on from
+    draw 1 (it once drew 0 again for the second token)."""
+    seeded = SamplingParams(max_tokens=10, min_tokens=10, temperature=1.0, seed=7)
+    llm = LLM(tiny_llama, dtype="float32", block_size=4)
+    colocated = [out.token_ids for out in llm.generate_ids(prompts, seeded)]
+    client = build_pool(tiny_llama, num_prefill=1, num_decode=1)
+    assert run_all(loop, client, prompts, seeded, tag="s") == colocated
