@@ -545,7 +545,9 @@ class Coordinator:
         if reason == "draining":
             self.router.set_accepting(entry.worker_id, False)
             return
-        self.router.mark_dead(entry.worker_id)
+        # Forgotten, not kept as dead: a replacement comes with a new id, and each worker's
+        # load holds its whole reported cache (one hash per block) and is scanned per route.
+        self.router.remove(entry.worker_id)
         if entry.pool != "prefill":  # the prefill workers' channels to it close
             for handle in self.prefill.values():
                 self._background(self._call(handle.forget_peer, entry.worker_id, timeout=5.0))

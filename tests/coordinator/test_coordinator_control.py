@@ -290,6 +290,10 @@ def test_a_decode_worker_leaving_closes_the_prefill_workers_channels_to_it() -> 
             await asyncio.sleep(0.05)
             assert cluster.prefill["prefill-0"].calls["forget_peer"] == [("decode-0",)]
             assert "forget_peer" not in cluster.decode["decode-1"].calls
+            # The router forgets both (replacements come with new ids): no load, no cache
+            # index kept for them, none scanned when routing.
+            assert set(coordinator.router.decode) == {"decode-1"}
+            assert set(coordinator.router.prefill) == {"prefill-0"}
 
     run(main())
 
