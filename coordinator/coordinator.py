@@ -284,8 +284,8 @@ class Coordinator:
     def worker_start_s(self) -> float | None:
         return self.supervisor.last_start_s
 
-    def steps_since(self, since: float) -> list[StepRecord]:
-        return self.telemetry.steps_since(since)
+    def take_steps(self) -> list[StepRecord]:
+        return self.telemetry.take_steps()
 
     def least_busy(self, pool: str) -> str:
         serving = self.supervisor.serving(pool)

@@ -60,8 +60,8 @@ class PoolControl(Protocol):
     def worker_start_s(self) -> float | None:
         """How long the newest worker took from spawn to serving (None before any)."""
 
-    def steps_since(self, since: float) -> list[StepRecord]:
-        """Engine steps (of every worker) that ended after `since` (time.time())."""
+    def take_steps(self) -> list[StepRecord]:
+        """Engine steps (of every worker) reported since the last call, each handed out once."""
 
     def least_busy(self, pool: str) -> str:
         """The serving worker of `pool` with the fewest requests relying on it."""
@@ -120,7 +120,7 @@ class PlannerLoop:
         self.current: Decision | None = None  # the latest decision, "none" included
         self.applied: deque[Applied] = deque(maxlen=KEPT)  # actions and infeasible reports
         self.counts: Counter[str] = Counter()  # decisions by action
-        self._steps_seen = time.time()
+        pools.take_steps()  # steps from before the planner existed are not its to see
         self._task: asyncio.Task | None = None
 
     # -- running ---------------------------------------------------------------------------
@@ -180,9 +180,8 @@ class PlannerLoop:
 
     def observe(self) -> Observation:
         now = self.clock()
-        steps = self.pools.steps_since(self._steps_seen)
+        steps = self.pools.take_steps()
         if steps:
-            self._steps_seen = max(s.end for s in steps)
             self.model.observe(steps)
         seen = self.window.summary(now)
         layout = self.pools.layout()

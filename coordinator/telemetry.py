@@ -15,6 +15,7 @@ from typing import NamedTuple
 from protocol.telemetry import StepRecord, Telemetry
 
 RECENT_STEPS = 4096  # per worker
+UNREAD_STEPS = 65536  # of every worker, not taken yet by the one reader (the planner)
 
 
 class CacheReport(NamedTuple):
@@ -35,6 +36,9 @@ class WorkerTelemetry:
 class TelemetryStore:
     def __init__(self) -> None:
         self.workers: dict[str, WorkerTelemetry] = {}
+        # Every record once, in arrival order: no cursor by step end time, which would compare
+        # the clocks of different workers (hosts) and drop a late reply's steps.
+        self.unread: deque[StepRecord] = deque(maxlen=UNREAD_STEPS)
 
     def cursor(self, worker_id: str) -> tuple[int, int]:
         """(step_seq, prefix_seq) to ask the worker for next."""
@@ -44,7 +48,9 @@ class TelemetryStore:
     def apply(self, worker_id: str, reply: Telemetry) -> CacheReport:
         kept = self.workers.setdefault(worker_id, WorkerTelemetry())
         kept.step_seq, kept.prefix_seq = reply.step_seq, reply.prefix_seq
-        kept.recent.extend(StepRecord(*record) for record in reply.steps)
+        records = [StepRecord(*record) for record in reply.steps]
+        kept.recent.extend(records)
+        self.unread.extend(records)
         kept.steps_total += len(reply.steps)
         kept.steps_missed += reply.steps_missed
         if reply.prefix_snapshot is not None:
@@ -56,15 +62,11 @@ class TelemetryStore:
     def forget(self, worker_id: str) -> None:
         self.workers.pop(worker_id, None)
 
-    def steps_since(self, since: float) -> list[StepRecord]:
-        """Every worker's kept steps that ended after `since` (time.time())."""
-        found = []
-        for kept in self.workers.values():
-            for record in reversed(kept.recent):
-                if record.end <= since:
-                    break
-                found.append(record)
-        return found
+    def take_steps(self) -> list[StepRecord]:
+        """Every worker's step records that arrived since the last call, each handed out once."""
+        taken = list(self.unread)
+        self.unread.clear()
+        return taken
 
     def recent(self, worker_id: str | None = None, limit: int | None = None) -> dict:
         """Each worker's (or one worker's) latest step records, oldest first."""

@@ -66,8 +66,9 @@ class FakePools:
     def worker_start_s(self) -> float | None:
         return None
 
-    def steps_since(self, since: float) -> list[StepRecord]:
-        return [s for s in self.steps if s.end > since]
+    def take_steps(self) -> list[StepRecord]:
+        taken, self.steps = self.steps, []
+        return taken
 
     def least_busy(self, pool: str) -> str:
         return f"{pool}-0"

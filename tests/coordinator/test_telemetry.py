@@ -63,6 +63,19 @@ def test_store_keeps_the_latest_state_of_each_block_and_counts_missed_steps() ->
     assert snapshot.snapshot and snapshot.stored == [4, 5]
 
 
+def test_every_step_record_reaches_the_planner_once_however_late_its_reply() -> None:
+    # Worker b's reply comes a poll late (or its host's clock lags): its step ended before
+    # worker a's latest. A cursor on step end times dropped it.
+    store = TelemetryStore()
+    a = [StepRecord(100.0, 0.01, 0, 0, 4, 40, 5, 0), StepRecord(101.0, 0.01, 0, 0, 4, 40, 5, 0)]
+    b = StepRecord(100.5, 0.02, 0, 0, 4, 40, 5, 0)
+    store.apply("a", Telemetry(2, a, 0, 0, [], None))
+    assert store.take_steps() == a
+    store.apply("b", Telemetry(1, [b], 0, 0, [], None))
+    assert store.take_steps() == [b]
+    assert store.take_steps() == []
+
+
 def test_block_manager_reports_blocks_entering_and_leaving_its_prefix_cache() -> None:
     events: list[tuple[int, bool]] = []
     blocks = BlockManager(num_blocks=2, block_size=4)
