@@ -61,6 +61,10 @@ def sample(logits: torch.Tensor, rows: list[SampleRow]) -> SamplerOutput:
     return SamplerOutput(token_ids, _logprobs(raw, rows, token_ids))
 
 
+# Bound of a penalized logit: any temperature above GREEDY_TEMPERATURE keeps it finite.
+PENALIZED_LIMIT = 1e30
+
+
 def apply_penalties(logits: torch.Tensor, row: SampleRow) -> None:
     """In place on one row [vocab]: repetition over prompt + output, presence and frequency
     over the output only."""
@@ -68,9 +72,11 @@ def apply_penalties(logits: torch.Tensor, row: SampleRow) -> None:
     if p.repetition_penalty != 1.0:
         seen = torch.tensor(list(row.prompt_ids) + list(row.output_ids), dtype=torch.int64)
         values = logits[seen]
-        logits[seen] = torch.where(
+        penalized = torch.where(
             values > 0, values / p.repetition_penalty, values * p.repetition_penalty
         )
+        # A tiny or huge penalty would push a logit to infinity, and softmax to NaN.
+        logits[seen] = penalized.clamp_(-PENALIZED_LIMIT, PENALIZED_LIMIT)
     if row.output_ids and (p.presence_penalty or p.frequency_penalty):
         output = torch.tensor(list(row.output_ids), dtype=torch.int64)
         counts = torch.bincount(output, minlength=logits.shape[0]).to(logits.dtype)

@@ -28,6 +28,10 @@ class TokenLogprobs(NamedTuple):
     top: list[tuple[int, float]]  # the most likely tokens, best first
 
 
+GREEDY_TEMPERATURE = 1e-5
+MAX_STOP_STRINGS = 256
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     max_tokens: int = 16
@@ -65,12 +69,18 @@ class SamplingParams:
         _check(-2 <= self.presence_penalty <= 2, "presence_penalty", "must be in [-2, 2]")
         _check(-2 <= self.frequency_penalty <= 2, "frequency_penalty", "must be in [-2, 2]")
         _check(all(self.stop), "stop", "must not contain empty strings")
+        # (each is searched for in the new text of every token, on the serving event loop)
+        _check(
+            len(self.stop) <= MAX_STOP_STRINGS, "stop", f"takes at most {MAX_STOP_STRINGS} strings"
+        )
         _check(self.logprobs is None or 0 <= self.logprobs <= 20, "logprobs", "must be in [0, 20]")
         _check(self.seed is None or 0 <= self.seed < 2**64, "seed", "must be in [0, 2**64)")
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0 or self.top_k == 1
+        """Temperatures below GREEDY_TEMPERATURE are greedy too (as in vLLM): dividing logits
+        by them overflows float32, and greedy is what they tend to."""
+        return self.temperature < GREEDY_TEMPERATURE or self.top_k == 1
 
     @property
     def has_penalties(self) -> bool:

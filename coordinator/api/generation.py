@@ -82,7 +82,7 @@ def plan_job(
 def _reseeded(params: SamplingParams, offset: int) -> SamplingParams:
     if params.seed is None or offset == 0:
         return params
-    return dataclasses.replace(params, seed=params.seed + offset)
+    return dataclasses.replace(params, seed=(params.seed + offset) % 2**64)
 
 
 async def run_job(ctx: ServerContext, job: Job, on_output: Callable[[int], None]) -> Outputs:

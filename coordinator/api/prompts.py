@@ -74,7 +74,7 @@ def _sampling_fields(request: SamplingRequest) -> dict:
         "top_p": request.top_p,
         "top_k": request.top_k,
         "min_p": request.min_p,
-        "seed": request.seed,
+        "seed": None if request.seed is None else request.seed % 2**64,  # as torch reads it
         "presence_penalty": request.presence_penalty,
         "frequency_penalty": request.frequency_penalty,
         "repetition_penalty": request.repetition_penalty,

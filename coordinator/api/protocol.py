@@ -39,10 +39,12 @@ class _Strict(BaseModel):
 
 
 def _drop_neutral(data: Any) -> Any:
-    """Removes unimplemented parameters that carry their neutral value; others stay and fail."""
+    """Removes parameters sent as null (OpenAI's "use the default": clients that fill in every
+    field send them) and unimplemented ones that carry their neutral value; others stay and
+    fail."""
     if not isinstance(data, dict):
         return data
-    kept = dict(data)
+    kept = {name: value for name, value in data.items() if value is not None}
     for name, neutral in NEUTRAL_VALUES.items():
         value = kept.get(name)
         if name in kept and (value in neutral or (name == "best_of" and value == data.get("n"))):
@@ -63,7 +65,7 @@ class SamplingRequest(_Strict):
     top_p: float | None = None
     top_k: int | None = None
     min_p: float | None = None
-    seed: int | None = Field(None, ge=0, le=2**63 - 1)
+    seed: int | None = Field(None, ge=-(2**63), le=2**63 - 1)  # any signed 64-bit integer
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False

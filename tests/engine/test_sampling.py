@@ -9,7 +9,7 @@ from engine.llm import LLM
 from engine.sampler import CDF_BLOCK, SampleRow, filtered_probs, inverse_cdf, sample
 from kernels import ops
 from kernels.argmax import argmax_ref
-from protocol.sampling import SamplingError, SamplingParams
+from protocol.sampling import MAX_STOP_STRINGS, SamplingError, SamplingParams
 
 
 @pytest.fixture(scope="module")
@@ -248,3 +248,28 @@ def test_sampling_on_cuda_logits_stays_inside_the_filters() -> None:
     top20 = set(logits[1].cpu().topk(20).indices.tolist())
     assert all(p[0] in nucleus and p[1] in top20 for p in picks)
     assert {p[2] for p in picks} == {int(logits[2].argmax())}
+
+
+def test_extreme_temperature_and_penalty_stay_finite() -> None:
+    """A temperature too small to divide by is greedy; a penalty too small or large to apply
+    exactly still leaves finite logits (both once gave NaN probabilities, and so the last
+    token of the vocabulary every time)."""
+    logits = torch.zeros(1, 1000)
+    logits[0, 710], logits[0, 3], logits[0, 4] = 30.0, 20.0, 10.0
+    tiny = SamplingParams(temperature=1e-38, seed=1)
+    assert tiny.greedy
+    row = SampleRow(tiny, [], [], (), torch.Generator().manual_seed(1))
+    assert sample(logits.clone(), [row]).token_ids == [710]
+    for penalty in (1e-300, 1e300):
+        params = SamplingParams(temperature=0.7, repetition_penalty=penalty)
+        row = SampleRow(params, [3, 4], [], (), torch.Generator().manual_seed(2))
+        (token,) = sample(logits.clone(), [row]).token_ids
+        # 1e-300 lifts the seen tokens 3 and 4 past everything (to the same bound); 1e300
+        # sinks them to about 0, below 710
+        assert token in ((3, 4) if penalty < 1 else (710,))
+
+
+def test_at_most_so_many_stop_strings() -> None:
+    SamplingParams(stop=tuple(f"s{i}" for i in range(MAX_STOP_STRINGS)))
+    with pytest.raises(SamplingError, match="stop"):
+        SamplingParams(stop=tuple(f"s{i}" for i in range(MAX_STOP_STRINGS + 1)))

@@ -100,7 +100,7 @@ BAD_REQUESTS = [
     ("/v1/completions", {"prompt": "hi", "presence_penalty": 3}, 400, "presence_penalty"),
     ("/v1/completions", {"prompt": "hi", "stop": [""]}, 400, "stop"),
     ("/v1/completions", {"prompt": "hi", "logprobs": 21}, 400, "logprobs"),
-    ("/v1/completions", {"prompt": "hi", "seed": -1}, 400, "seed"),
+    ("/v1/completions", {"prompt": "hi", "seed": 2**63}, 400, "seed"),  # past signed 64 bits
     ("/v1/completions", {"prompt": "hi", "stream_options": {}}, 400, "stream_options"),
     ("/v1/completions", {"prompt": "hi", "echo": True}, 400, "echo"),
     ("/v1/completions", {"prompt": "hi", "suffix": "!"}, 400, "suffix"),

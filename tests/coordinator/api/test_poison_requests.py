@@ -49,6 +49,16 @@ def poison_cases(vocab: int) -> list[tuple[str, dict, int, str | None]]:
          "stop_token_ids"),
         ("completions", {**completion, "stop_token_ids": [-1]}, 400, "stop_token_ids"),
         ("completions", {**completion, "seed": 2**64}, 400, "seed"),
+        ("completions", {**completion, "seed": -(2**63) - 1}, 400, "seed"),
+        # Any signed 64-bit seed (OpenAI's and vLLM's range), read as torch reads it.
+        ("completions", {**completion, "temperature": 0.7, "seed": -1, "n": 2}, 200, None),
+        # null is "the default" for any field, implemented or not (clients send every field).
+        ("completions", {**completion, "n": None, "stream": None, "echo": None,
+                         "functions": None}, 200, None),
+        ("chat/completions", {**chat, "logprobs": None, "n": None, "modalities": None}, 200,
+         None),
+        ("completions", {**completion, "prompt": None}, 400, "prompt"),
+        ("completions", {**completion, "temperature": 1e-38}, 200, None),
         ("completions", {**completion, "prompt": [vocab]}, 400, "prompt"),
         ("completions", {**completion, "prompt": [[1, 2], [2**63]]}, 400, "prompt"),
         # top_k past the vocabulary means "every token": clamped, served.
