@@ -11,7 +11,7 @@ from collections.abc import AsyncIterator, Callable
 
 from pydantic import BaseModel
 from starlette.responses import StreamingResponse
-from starlette.types import Send
+from starlette.types import Receive, Scope, Send
 
 from coordinator.api.errors import as_api_error
 from coordinator.api.streams import closing
@@ -90,6 +90,17 @@ class EventStream(StreamingResponse):
             media_type="text/event-stream",
             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
         )
+        self._on_close = on_close
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        # `frames` calls on_close once started; a client that leaves while the response's
+        # start is being sent cancels it before the body is ever read, and an async generator
+        # closed before its first step runs none of its code: the callback (which is
+        # idempotent) must run here too, or the admission ticket is never given back.
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._on_close()
 
     async def stream_response(self, send: Send) -> None:
         # Starlette stops iterating when the client goes away but leaves the body open, and
