@@ -382,6 +382,8 @@ class Coordinator:
                 self.router.prefilled(route, queued_tokens(route, work.token_ids))
             # The KV is with the decode worker: the request no longer needs its prefill worker.
             request.route = Route(route.decode_id, None)
+            if request.queue_seconds is None:  # the decode worker's updates carry none
+                request.queue_seconds = result.queue_seconds
             if result.token_id not in request.params.stop_ids(self.eos_ids):
                 request.accept_first(len(work.output_ids), result.token_id, result.logprobs)
             if result.computed_at and request.first_token_at is not None:

@@ -157,7 +157,7 @@ class LLMEngine:
         seq.block_table = block_table
         seq.num_hashed_blocks = len(hits)
         seq.num_cached_prompt_tokens = num_cached
-        seq.first_scheduled_time = time.monotonic()
+        # (no first_scheduled_time: its queue time is its prefill worker's, which reports it)
         self.reserved[request_id] = seq
         return Reservation(tuple(seq.block_table), num_cached)
 

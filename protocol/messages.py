@@ -70,3 +70,6 @@ class PrefillResult(NamedTuple):
     bytes_sent: int
     computed_at: float = 0.0  # wall clock (time.time()) when the step that sampled `token_id`
     # ended: where the handover to the client starts (tandem:kv_handover_seconds)
+    # arrival at the coordinator until the prefill worker gave it KV blocks: its queue time (a
+    # decode worker that receives the KV reports none)
+    queue_seconds: float | None = None

@@ -92,10 +92,15 @@ class ServerMetrics:
         """Relays one request's outputs unchanged, observing its timings and tokens.
         `arrival` is a time.monotonic() reading taken when the HTTP request came in."""
         last: float | None = None
+        queued = False  # its queue time observed (it may come after the first token, from a
+        # prefill worker whose answer the decode worker's first update overtook)
         async with closing(stream):
             async for output in stream:
                 now = time.monotonic()
                 num_new = len(output.delta_token_ids)
+                if not queued and output.queue_seconds is not None:
+                    self.queue_time.observe(output.queue_seconds)
+                    queued = True
                 if last is None:
                     self._first_output(output, now - arrival)
                     for _ in range(num_new - 1):  # tokens joined to the first came with it
@@ -113,5 +118,3 @@ class ServerMetrics:
     def _first_output(self, output: RequestOutput, ttft: float) -> None:
         self.ttft.observe(ttft)
         self.prompt_tokens.inc(len(output.prompt_token_ids))
-        if output.queue_seconds is not None:
-            self.queue_time.observe(output.queue_seconds)

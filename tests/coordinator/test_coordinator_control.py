@@ -484,3 +484,17 @@ def test_a_stream_interval_sends_tokens_in_fours_after_the_first() -> None:
         assert outputs[-1].finish_reason == "length" and outputs[-1].text == text_of(OUTPUT[:8])
 
     run(main())
+
+
+def test_a_disaggregated_request_reports_its_prefill_workers_queue_time() -> None:
+    # The decode worker only received the KV: the wait that counts was for the prefill.
+    async def main() -> None:
+        cluster = FakeCluster(CONFIG)
+        async with cluster.running() as coordinator:
+            outputs, err = await stream(coordinator, SamplingParams(max_tokens=3))
+        assert err is None
+        # (the decode worker's first update may overtake the prefill worker's answer)
+        assert {o.queue_seconds for o in outputs} - {None} == {0.375}
+        assert outputs[-1].queue_seconds == 0.375
+
+    run(main())

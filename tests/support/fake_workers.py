@@ -266,6 +266,7 @@ class FakePrefillActor(_FakeProcess):
         self.failures: dict[str, Exception] = {}
         self.hangs: set[str] = set()
         self.handover_seconds = 0.02  # how long ago its results say the prefill step ended
+        self.queue_seconds = 0.375  # what its results say each request waited for KV blocks
 
     async def prefill(self, work: WorkRequest, ticket: Ticket) -> PrefillResult:
         if work.request_id in self.failures:
@@ -275,7 +276,9 @@ class FakePrefillActor(_FakeProcess):
         self.decodes[ticket.decode_id].kv_arrived(work.request_id)
         token_id = OUTPUT[len(work.output_ids)]
         computed_at = time.time() - self.handover_seconds  # as if the KV took this long
-        return PrefillResult(work.request_id, token_id, None, 0, ticket.num_bytes, computed_at)
+        return PrefillResult(
+            work.request_id, token_id, None, 0, ticket.num_bytes, computed_at, self.queue_seconds
+        )
 
     async def abort(self, request_id: str) -> None:
         return None

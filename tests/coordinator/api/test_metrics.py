@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from coordinator.api.metrics import ServerMetrics
+from engine.outputs import RequestOutput
 from tests.support.servers import LONG_NUM_KV_BLOCKS, LONG_TOKENS, local_client
 
 PROMPT = [5, 6, 7, 8, 9, 10, 11, 12, 13]  # 9 tokens: two full blocks of 4 to cache
@@ -84,3 +88,23 @@ def test_gauges_show_a_running_request(server) -> None:
     assert value(during, "tandem:num_requests_running", **WORKER) == 1.0
     held = value(during, "tandem:kv_cache_usage_perc", **WORKER)
     assert 0 < held < 0.5  # a few blocks of the prompt and its first tokens
+
+
+def test_queue_time_counts_once_even_when_it_comes_after_the_first_token() -> None:
+    # Disaggregated, the queue time is the prefill worker's, and the decode worker's first
+    # update may reach the client before the prefill worker's answer carries it.
+    metrics = ServerMetrics("tiny", list, lambda: 0)
+
+    async def outputs():
+        for queued, finish in ((None, None), (0.5, None), (0.5, "length")):
+            yield RequestOutput("r", [1], [2], delta_token_ids=[2], queue_seconds=queued,
+                                finish_reason=finish)  # fmt: skip
+
+    async def drain() -> None:
+        async for _ in metrics.track(outputs(), 0.0):
+            pass
+
+    asyncio.run(drain())
+    text = metrics.render().decode()
+    assert "tandem:request_queue_time_seconds_count{model=\"tiny\"} 1.0" in text
+    assert "tandem:request_queue_time_seconds_sum{model=\"tiny\"} 0.5" in text
