@@ -106,5 +106,5 @@ def test_queue_time_counts_once_even_when_it_comes_after_the_first_token() -> No
 
     asyncio.run(drain())
     text = metrics.render().decode()
-    assert "tandem:request_queue_time_seconds_count{model=\"tiny\"} 1.0" in text
-    assert "tandem:request_queue_time_seconds_sum{model=\"tiny\"} 0.5" in text
+    assert 'tandem:request_queue_time_seconds_count{model="tiny"} 1.0' in text
+    assert 'tandem:request_queue_time_seconds_sum{model="tiny"} 0.5' in text
