@@ -384,8 +384,10 @@ class Coordinator:
             request.route = Route(route.decode_id, None)
             if request.queue_seconds is None:  # the decode worker's updates carry none
                 request.queue_seconds = result.queue_seconds
-            if result.token_id not in request.params.stop_ids(self.eos_ids):
+            if result.token_id not in request.params.stop_ids(self.eos_ids) and (
                 request.accept_first(len(work.output_ids), result.token_id, result.logprobs)
+            ):  # a stop string in the first token: the decode worker must stop it too
+                self._stop_on(route.decode_id, work.request_id)
             if result.computed_at and request.first_token_at is not None:
                 # From the end of its prefill step to its first token leaving for the client
                 # (by this path or, if it was quicker, from the decode worker).
@@ -531,8 +533,14 @@ class Coordinator:
                 request.fail(RequestFailedError(update.reason))
             return
         if request.accept(update):  # a stop string ended it: stop the worker too
-            worker = self.decode[decode_id]
-            self._background(self._call(worker.abort, update.request_id, timeout=5.0))
+            self._stop_on(decode_id, update.request_id)
+
+    def _stop_on(self, decode_id: str, request_id: str) -> None:
+        """Aborts on its decode worker a request a stop string ended here (the worker does not
+        see stop strings; `_end_attempt` sends nothing for a finished request)."""
+        worker = self.decode.get(decode_id)
+        if worker is not None:
+            self._background(self._call(worker.abort, request_id, timeout=5.0))
 
     # -- pool membership (Supervisor callbacks) --------------------------------------------
 

@@ -94,10 +94,12 @@ class TrackedRequest:
         self.num_cached_tokens = max(self.num_cached_tokens, update.num_cached_tokens)
         return self._emit(new_ids, new_logprobs, update.finish_reason, update.stop_token_id)
 
-    def accept_first(self, index: int, token_id: int, logprobs: TokenLogprobs | None) -> None:
-        """The prefill worker's token: streamed at once, before the decode worker reports it."""
+    def accept_first(self, index: int, token_id: int, logprobs: TokenLogprobs | None) -> bool:
+        """The prefill worker's token: streamed at once, before the decode worker reports it.
+        True if a stop string ended the request (the caller then aborts it on its worker)."""
         if index == len(self.output_ids) and not self.finished:
-            self._emit([token_id], [logprobs], None, None)
+            return self._emit([token_id], [logprobs], None, None)
+        return False
 
     def _emit(
         self,

@@ -349,6 +349,22 @@ def test_stop_string_ends_the_stream_and_aborts_on_decode() -> None:
     run(main())
 
 
+def test_a_stop_string_in_the_prefill_workers_token_aborts_on_decode() -> None:
+    # The prefill worker's answer comes first (the decode worker holds its tokens back): the
+    # stop string is found in the token it carries, and the decode worker must stop too.
+    async def main() -> None:
+        cluster = FakeCluster(CONFIG)
+        cluster.decoder("decode-0").stall_after = 0
+        async with cluster.running() as coordinator:
+            outputs, err = await stream(coordinator, SamplingParams(max_tokens=8, stop=("k",)))
+            await asyncio.sleep(0.05)  # the abort is sent from a task of its own
+        assert err is None
+        assert (outputs[-1].finish_reason, outputs[-1].stop_reason) == ("stop", "k")
+        assert cluster.decode["decode-0"].ids("abort") == ["req-0#1"]
+
+    run(main())
+
+
 def test_eos_as_first_token_is_streamed_once_as_a_stop() -> None:
     async def main() -> None:
         cluster = FakeCluster(CONFIG, eos_ids=frozenset({OUTPUT[0]}))
