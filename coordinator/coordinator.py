@@ -379,7 +379,7 @@ class Coordinator:
                 request.lose(f"prefill on {prefill_id} failed: {_brief(err)}")
                 return
             finally:
-                self.router.prefilled(route, queued_tokens(route, work.token_ids))
+                self._prefill_over(request, work)
             # The KV is with the decode worker: the request no longer needs its prefill worker.
             request.route = Route(route.decode_id, None)
             if request.queue_seconds is None:  # the decode worker's updates carry none
@@ -424,6 +424,7 @@ class Coordinator:
             route = self.router.route(work.token_ids, frozenset(request.avoid), local, hashes)
             self.router.placed(route, work.token_ids, hashes)
             request.route = route  # from here on, ending the attempt frees what D reserved
+            request.prefill_queued = route.prefill_id is not None
             decode = self.decode[route.decode_id]
             try:
                 if route.prefill_id is None:
@@ -475,14 +476,24 @@ class Coordinator:
             self.room.leave(wake)
 
     def _unplace(self, request: TrackedRequest, work: WorkRequest) -> None:
-        self.router.unplace(request.route, work.token_ids)
+        self._prefill_over(request, work)
+        self.router.finished(request.route)
         request.route = None
+
+    def _prefill_over(self, request: TrackedRequest, work: WorkRequest) -> None:
+        """Takes the attempt's prompt tokens off its prefill worker's queue in the router, once:
+        its prefill ended, or the attempt ended without one (a refused or lost reservation, a
+        timeout, a client gone mid-reserve)."""
+        if request.prefill_queued and request.route is not None:
+            request.prefill_queued = False
+            self.router.prefilled(request.route, queued_tokens(request.route, work.token_ids))
 
     async def _end_attempt(self, request: TrackedRequest, work: WorkRequest) -> None:
         self._requests.pop(work.request_id, None)
         route = request.route
         if route is None:
             return
+        self._prefill_over(request, work)
         self.router.finished(route)
         self.room.freed()
         if request.finished:  # its worker already freed it (a stop string aborted it there)

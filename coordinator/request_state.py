@@ -36,6 +36,8 @@ class TrackedRequest:
         self.stream: asyncio.Queue[RequestOutput | StreamFailed] = asyncio.Queue()
         self.attempt = 0
         self.route: Route | None = None
+        # this attempt's prompt tokens still counted in its prefill worker's queue (router)
+        self.prefill_queued = False
         self.ended = asyncio.Event()  # finished, or lost by its current worker
         self.lost_reason: str | None = None
         self.failed = False  # ended in an error the client has been given
@@ -63,6 +65,7 @@ class TrackedRequest:
 
     def next_attempt(self) -> WorkRequest:
         self.attempt += 1
+        self.prefill_queued = False
         self.ended = asyncio.Event()
         self.lost_reason = None
         self.first_token_at = None

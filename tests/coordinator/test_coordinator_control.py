@@ -365,6 +365,29 @@ def test_a_stop_string_in_the_prefill_workers_token_aborts_on_decode() -> None:
     run(main())
 
 
+def test_an_attempt_ended_before_its_prefill_leaves_no_queued_prompt_behind() -> None:
+    # Routing counts the prompt in its prefill worker's queue as soon as it is placed; a client
+    # that leaves during the reservation ends the attempt before the prefill call, which used
+    # to be the only place that took it off again (the worker then looked busy for good).
+    async def main() -> None:
+        cluster = FakeCluster(CONFIG)
+        cluster.decoder().reserve_seconds = 0.5
+        async with cluster.running() as coordinator:
+            outputs = coordinator.generate(PROMPT, SamplingParams(max_tokens=4), "req-0")
+            first = asyncio.ensure_future(anext(outputs))
+            await asyncio.sleep(0.1)  # placed, reserving
+            queues = [w.queued_tokens for w in coordinator.router.prefill.values()]
+            assert sorted(queues) == [0, len(PROMPT)]
+            first.cancel()
+            await asyncio.gather(first, return_exceptions=True)
+            await outputs.aclose()
+            await asyncio.sleep(0.05)
+            assert [w.queued_tokens for w in coordinator.router.prefill.values()] == [0, 0]
+            assert coordinator.router.decode["decode-0"].running == 0
+
+    run(main())
+
+
 def test_eos_as_first_token_is_streamed_once_as_a_stop() -> None:
     async def main() -> None:
         cluster = FakeCluster(CONFIG, eos_ids=frozenset({OUTPUT[0]}))

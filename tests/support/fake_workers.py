@@ -152,6 +152,7 @@ class FakeDecodeActor(_FakeProcess):
         self._wake = asyncio.Event()
         self._pusher: asyncio.Task | None = None
         self.step_seconds = 0.002
+        self.reserve_seconds = 0.0  # how long a reservation takes to answer
 
     async def reserve(
         self,
@@ -162,6 +163,7 @@ class FakeDecodeActor(_FakeProcess):
     ) -> Ticket | None:
         if self.frozen:
             await asyncio.Event().wait()
+        await asyncio.sleep(self.reserve_seconds)
         if not self.room:
             return None
         self.reserved[work.request_id] = work
