@@ -53,19 +53,25 @@ class LLM:
     ) -> list[RequestOutput]:
         if not isinstance(params, list):
             params = [params or SamplingParams()] * len(prompts)
+        for ids, p in zip(prompts, params, strict=True):  # all refused before any is queued
+            self.engine.check_request(ids, p)
         states: dict[str, RequestState] = {}
-        for ids, p in zip(prompts, params, strict=True):
-            request_id = str(next(self._ids))
-            self.engine.add_request(request_id, ids, p)
-            states[request_id] = RequestState(request_id, ids, p, self.tokenizer)
         results: dict[str, RequestOutput] = {}
-        while self.engine.has_unfinished:
-            for update in self.engine.step():
-                if isinstance(update, RequestFailed):
-                    raise RequestFailedError(f"request {update.request_id}: {update.reason}")
-                output, stop_string_hit = states[update.request_id].apply(update)
-                if stop_string_hit:
-                    self.engine.abort(update.request_id)
-                if output.finished:
-                    results[update.request_id] = output
+        try:
+            for ids, p in zip(prompts, params, strict=True):
+                request_id = str(next(self._ids))
+                self.engine.add_request(request_id, ids, p)
+                states[request_id] = RequestState(request_id, ids, p, self.tokenizer)
+            while self.engine.has_unfinished:
+                for update in self.engine.step():
+                    if isinstance(update, RequestFailed):
+                        raise RequestFailedError(f"request {update.request_id}: {update.reason}")
+                    output, stop_string_hit = states[update.request_id].apply(update)
+                    if stop_string_hit:
+                        self.engine.abort(update.request_id)
+                    if output.finished:
+                        results[update.request_id] = output
+        finally:  # on an error, the call's other requests end with it: none is left queued
+            for request_id in states.keys() - results.keys():
+                self.engine.abort(request_id)
         return [results[request_id] for request_id in states]

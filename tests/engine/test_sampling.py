@@ -9,6 +9,7 @@ from engine.llm import LLM
 from engine.sampler import CDF_BLOCK, SampleRow, filtered_probs, inverse_cdf, sample
 from kernels import ops
 from kernels.argmax import argmax_ref
+from protocol.errors import RequestError
 from protocol.sampling import MAX_STOP_STRINGS, SamplingError, SamplingParams
 
 
@@ -273,3 +274,13 @@ def test_at_most_so_many_stop_strings() -> None:
     SamplingParams(stop=tuple(f"s{i}" for i in range(MAX_STOP_STRINGS)))
     with pytest.raises(SamplingError, match="stop"):
         SamplingParams(stop=tuple(f"s{i}" for i in range(MAX_STOP_STRINGS + 1)))
+
+
+def test_a_refused_prompt_leaves_nothing_queued(llm, prompts) -> None:
+    params = SamplingParams(max_tokens=3, temperature=0)
+    with pytest.raises(RequestError, match="empty"):
+        llm.generate_ids([prompts[0], []], params)  # the second is refused
+    assert not llm.engine.sequences and not llm.engine.has_unfinished
+    free = llm.engine.blocks.num_free_blocks
+    [out] = llm.generate_ids([prompts[0]], params)  # the next call has only its own request
+    assert len(out.token_ids) == 3 and llm.engine.blocks.num_free_blocks == free
