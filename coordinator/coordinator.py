@@ -441,6 +441,13 @@ class Coordinator:
                 self._unplace(request, work)
                 self._note_failure(route.decode_id, err)
                 continue
+            except Exception:
+                if route.decode_id in self.router.decode and self.router.is_alive(route.decode_id):
+                    raise
+                # It left the decode pool meanwhile (a role switch ends its engine thread
+                # mid-call, which answers with an error of its own, not a dead actor's).
+                self._unplace(request, work)
+                continue
             if route.prefill_id is None or ticket is not None:
                 if queued:
                     self.room.freed()  # there may be room for the next in line too

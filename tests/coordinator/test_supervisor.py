@@ -224,6 +224,25 @@ def test_role_switch_moves_running_decodes_and_loses_nothing(killed) -> None:
     run(main())
 
 
+def test_a_reservation_cut_short_by_a_role_switch_is_placed_again(killed) -> None:
+    # A worker whose role ends mid-call answers with an error of its own, not a dead actor's.
+    async def main() -> None:
+        cluster = FakeCluster(CONFIG, num_prefill=1, num_decode=2)
+        cluster.decoder("decode-0").reserve_seconds = 0.3
+        async with cluster.running() as coordinator:
+            stream = coordinator.generate(PROMPT, GREEDY, "req-0")
+            first = asyncio.ensure_future(anext(stream))
+            await asyncio.sleep(0.1)
+            assert cluster.decode["decode-0"].ids("reserve") == ["req-0#1"]  # in flight there
+            await coordinator.switch_role("decode-0", "prefill")
+            out = await first
+            rest = [t async for o in stream for t in o.delta_token_ids]
+            assert out.delta_token_ids + rest == OUTPUT[:8]
+            assert cluster.decode["decode-1"].ids("reserve")[-1].startswith("req-0#")
+
+    run(main())
+
+
 def test_a_worker_ray_cannot_place_fails_the_start_with_what_it_asked(killed) -> None:
     async def main() -> None:
         config = CoordinatorConfig(block_size=4, placement_timeout=0.05, supervision=SUPERVISION)

@@ -92,6 +92,7 @@ class FakeHandle:
 
     async def _set_role(self, role: str) -> float:
         self.actor.die()  # the old role's update stream ends with it
+        self.actor.stopped = True  # and its engine thread: calls still running fail
         self.actor = self.make_role(role, self.actor.worker_id)
         return 0.0
 
@@ -104,6 +105,7 @@ class _FakeProcess:
     """What every fake worker answers the same way: ping (after loading) and health."""
 
     max_model_len = MAX_MODEL_LEN
+    stopped = False  # its role ended (set_role): calls still running fail
     frozen = False  # like a SIGSTOPped process: no call answers
     ping_delay = 0.0  # seconds its model takes to load
 
@@ -164,6 +166,8 @@ class FakeDecodeActor(_FakeProcess):
         if self.frozen:
             await asyncio.Event().wait()
         await asyncio.sleep(self.reserve_seconds)
+        if self.stopped:
+            raise RuntimeError("engine thread stopped")  # what a worker whose role ended says
         if not self.room:
             return None
         self.reserved[work.request_id] = work
