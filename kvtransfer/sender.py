@@ -80,6 +80,12 @@ class KVSender:
         self._put(SendFrame(ticket, AbortFrame(ticket.request_id, reason)))
 
     @property
+    def legs_in_flight(self) -> int:
+        """Legs that have sent something and not their done or abort frame yet."""
+        with self._lock:
+            return len(self._records)
+
+    @property
     def open_lanes(self) -> int:
         with self._lock:
             return len(self._lanes)

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import logging
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -31,6 +32,7 @@ from engine.block_manager import slots_of
 from engine.engine import LLMEngine
 from engine.engine_thread import EngineThread
 from engine.scheduler import StepPlan
+from engine.tensor_parallel import RemoteError
 from kvtransfer.lane import SendRecord
 from kvtransfer.legs import ChannelStep, StepChunk, announce, pack_layer, ready_event
 from kvtransfer.sender import KVSender
@@ -40,6 +42,8 @@ from protocol.kv import Ticket
 from protocol.messages import PrefillResult, RequestFailed, WorkRequest
 from protocol.sampling import TokenLogprobs
 from protocol.stats import TransferCounters, WorkerStats
+
+log = logging.getLogger(__name__)
 
 
 class PrefillTrace(NamedTuple):
@@ -188,6 +192,11 @@ class PrefillWorker:
         self.engine.abort(request_id)
         for leg in pending.legs:
             self.sender.send_abort(leg, str(error))
+        if self.ranks is not None:  # the follower ranks' legs of a prefill cut between chunks
+            try:
+                self.ranks.call(["abort", pending.ticket, str(error)])
+            except (RemoteError, TimeoutError, OSError) as err:  # a rank gone fails the worker
+                log.warning("follower ranks not told of the abort of %s: %s", request_id, err)
         pending.on_result(request_id, error)
 
     def _forget_peer(self, decode_id: str) -> None:

@@ -9,6 +9,9 @@ Rank 0 (prefill/worker.py, decode/worker.py) drives it through the rank group's 
     call ["expect", ticket, slots]                     a reservation: expect this rank's legs
     call ["forget", [request ids]]                     stop writing those requests' KV
     call ["forget_peer", decode id]                    that decode worker left: close its lanes
+    call ["abort", ticket, reason]                     prefill: the request ended mid-prefill:
+                                                       abort frames on this rank's legs
+    call ["legs_in_flight"]                            prefill: this rank's legs not ended yet
     call ["idle"]                                      the role ended
     step extra = [[ticket, start, slots, last], ...]   prefill: send this rank's legs of the
                                                        step's chunks, layer by layer
@@ -42,6 +45,9 @@ class RankRoles:
         self.emit = emit
         self.sender: KVSender | None = None
         self.receiver: KVReceiver | None = None
+        # prefill: requests whose legs this rank has started and not yet ended (done frames go
+        # with their last chunk; an abort comes from rank 0)
+        self._sending: set[str] = set()
 
     def call(self, request: list) -> object:
         kind, *args = request
@@ -69,6 +75,10 @@ class RankRoles:
         elif kind == "forget_peer":
             if self.sender is not None:
                 self.sender.forget_peer(args[0])
+        elif kind == "abort":
+            self._abort(Ticket.from_wire(args[0]), args[1])
+        elif kind == "legs_in_flight":
+            return 0 if self.sender is None else self.sender.legs_in_flight
         elif kind == "idle":
             self._idle()
         else:
@@ -99,8 +109,20 @@ class RankRoles:
         forward(send_layer if legs else None)
         for ticket, _, _, last in entries:
             if last:  # its prefill ended: rank 0 sends the token, this rank its legs' digests
+                self._sending.discard(ticket.request_id)
                 for leg, _ in ticket.legs(self.rank):
                     sender.send_done(leg, -1, None)
+            else:
+                self._sending.add(ticket.request_id)
+
+    def _abort(self, ticket: Ticket, reason: str) -> None:
+        """Rank 0 ended the request between two of its chunks: this rank's legs end too (their
+        send records would otherwise stay until the role ends)."""
+        if self.sender is None or ticket.request_id not in self._sending:
+            return
+        self._sending.discard(ticket.request_id)
+        for leg, _ in ticket.legs(self.rank):
+            self.sender.send_abort(leg, reason)
 
     def _expect(self, ticket: Ticket, slots: list[int]) -> None:
         start = self.runner.shard.kv_head_start
@@ -123,6 +145,7 @@ class RankRoles:
         return self.receiver
 
     def _idle(self) -> None:
+        self._sending.clear()
         if self.sender is not None:
             self.sender.close(timeout=0.1)
             self.sender = None

@@ -8,6 +8,7 @@ from __future__ import annotations
 import multiprocessing
 import os
 import signal
+import threading
 import time
 
 import pytest
@@ -149,3 +150,38 @@ def test_a_decode_rank_killed_mid_transfer_fails_its_requests_and_frees_blocks(t
 
 def _prefill_rank_pid(prefill) -> int:
     return prefill.engine.runner.ranks._launched[0].pid
+
+
+def test_a_prefill_aborted_between_chunks_ends_every_ranks_legs(tiny_llama):
+    """Rank 0 sends its legs' abort frames; the follower ranks must end theirs too, or their
+    send records stay until the role ends (one per aborted request and leg)."""
+    prefill, decode = start(tiny_llama, 2, 1)  # budget 24: this prompt takes 4 steps
+    try:
+        request = WorkRequest("cut", list(range(3, 90)), GREEDY)
+        ticket = decode.reserve(request, prefill.worker_id, None, 2).result(TIMEOUT)
+        announced = threading.Event()
+        original = prefill._announce_step
+
+        def announce_then_signal(plan):
+            followers = original(plan)
+            if followers:
+                announced.set()  # the first chunk's legs are on their way, on every rank
+            return followers
+
+        prefill._announce_step = announce_then_signal
+        reports: dict[str, object] = {}
+        prefill.submit(request, ticket, reports.__setitem__)
+        assert announced.wait(TIMEOUT)
+        prefill.abort("cut")
+
+        def in_flight() -> list[object]:
+            ranks = prefill.engine.runner.ranks
+            return prefill.thread.submit(ranks.call, ["legs_in_flight"]).result(TIMEOUT)
+
+        deadline = time.monotonic() + 10
+        while in_flight() != [0] and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert "cut" in reports and isinstance(reports["cut"], Exception)
+        assert in_flight() == [0]
+    finally:
+        stop(prefill, decode)
