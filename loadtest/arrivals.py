@@ -1,6 +1,7 @@
 """When each request is sent. Gaps between sends are gamma-distributed with shape = burstiness and
 mean 1 / rate, so their variance is mean**2 / burstiness: burstiness 1 is a Poisson process,
-below 1 burstier, above 1 more regular. The same seed gives the same schedule."""
+below 1 burstier, above 1 more regular, infinite evenly spaced. The same seed gives the same
+schedule."""
 
 from __future__ import annotations
 
@@ -17,6 +18,8 @@ def arrival_gaps(count: int, request_rate: float, burstiness: float, seed: int) 
         raise ValueError(f"rate and burstiness must be > 0, got {request_rate}, {burstiness}")
     if math.isinf(request_rate):
         return np.zeros(count)
+    if math.isinf(burstiness):  # no variance at all: evenly spaced (gamma would give NaN)
+        return np.full(count, 1.0 / request_rate)
     rng = np.random.default_rng((seed, ARRIVAL_STREAM))
     return rng.gamma(shape=burstiness, scale=1.0 / (request_rate * burstiness), size=count)
 

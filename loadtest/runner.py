@@ -79,7 +79,9 @@ class _Sender:
             async with gate:
                 return await self.send(sample)
 
-        warmups = [samples[i % len(samples)] for i in range(load.num_warmups)]
+        # The first request each time, as vllm bench serve warms up: distinct ones would put the
+        # first measured prompts in a prefix cache and shorten their TTFT.
+        warmups = [samples[0]] * load.num_warmups
         for result in await asyncio.gather(*(one(sample) for sample in warmups)):
             if not result.success:
                 raise BenchError(f"a warm-up request failed: {result.error}")

@@ -52,3 +52,9 @@ def test_offsets_start_at_zero_and_accumulate_the_gaps() -> None:
 def test_rejects_non_positive_parameters(rate: float, burstiness: float) -> None:
     with pytest.raises(ValueError):
         arrival_gaps(3, rate, burstiness, seed=0)
+
+
+def test_infinite_burstiness_spaces_requests_evenly() -> None:
+    # (as vllm bench serve reads it; a gamma of infinite shape gave NaN gaps, and a runner
+    # that waits only for positive delays then sent everything at once)
+    assert send_offsets(5, 10.0, math.inf, 0) == pytest.approx([0.0, 0.1, 0.2, 0.3, 0.4])

@@ -85,6 +85,10 @@ def test_warmups_are_sent_but_not_measured(serve) -> None:
     rec = bench(server.url, *SHORT, "--num-prompts", "2", "--num-warmups", "3")
     assert len(server.received) == 1 + 3 + 2  # probe, warm-ups, measured
     assert rec["completed"] == 2
+    # Every warm-up repeats the first request: none puts a later measured prompt in a cache.
+    warmups = {str(w["prompt"]) for w in server.received[1:4]}
+    measured = [str(m["prompt"]) for m in server.received[4:]]
+    assert len(warmups) == 1 and warmups <= set(measured) and len(set(measured)) == 2
 
 
 def test_max_duration_ends_the_run(serve) -> None:
