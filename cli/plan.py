@@ -20,6 +20,8 @@ from cli.simulate import add_deployment_flags, requests_from_args, scenario_from
 from loadtest.cli import DefaultsFormatter, config_from_args
 from loadtest.cli_flags import add_bench_flags
 
+MAX_GPUS = 65536
+
 
 def add_parser(commands: argparse._SubParsersAction) -> None:
     p = commands.add_parser(
@@ -56,6 +58,8 @@ def run(args: argparse.Namespace) -> int:
 
     if args.gpus < 1 or args.tp < 1:
         raise CliError("--gpus and --tp must be at least 1")
+    if args.gpus > MAX_GPUS:  # the search lists every split of them first
+        raise CliError(f"--gpus takes at most {MAX_GPUS}")
     if args.jobs < 0:
         raise CliError("--jobs must be 0 (one per CPU) or more")
     jobs = args.jobs or len(os.sched_getaffinity(0))

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
 import os
 import re
 import signal
@@ -321,7 +322,10 @@ def parse_size(text: str) -> int:
     match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kKmMgG]i?)?[bB]?\s*", text)
     if match is None:
         raise argparse.ArgumentTypeError(f"{text!r} is not a size like 512MiB or 4GiB")
-    return int(float(match.group(1)) * SIZE_UNITS[(match.group(2) or "").lower()])
+    size = float(match.group(1)) * SIZE_UNITS[(match.group(2) or "").lower()]
+    if not size < 2**63:  # (a 400-digit number is inf as a float)
+        raise argparse.ArgumentTypeError(f"{text!r} is too large a size")
+    return int(size)
 
 
 def format_size(num_bytes: int) -> str:
@@ -348,9 +352,21 @@ def run(args: argparse.Namespace) -> int:
 
 
 def server_settings(args: argparse.Namespace) -> ServerSettings:
-    for flag in ("max_queue", "max_prompts", "max_n", "max_body_size"):
+    """The HTTP server's settings; refuses, before Ray or a model starts, flags that would
+    only fail once they had (a port past 65535, a negative thread count, a zero KV cache)."""
+    for flag in ("max_queue", "max_prompts", "max_n", "max_body_size", "kv_cache_memory"):
         if getattr(args, flag) < 1:
             raise CliError(f"--{flag.replace('_', '-')} must be at least 1")
+    for flag in ("max_model_len", "threads_per_worker"):
+        if getattr(args, flag) is not None and getattr(args, flag) < 1:
+            raise CliError(f"--{flag.replace('_', '-')} must be at least 1")
+    if not 0 <= args.port <= 65535:
+        raise CliError(f"--port must be in [0, 65535], not {args.port}")
+    for flag in ("kv_transfer_timeout", "placement_timeout"):
+        if not 0 < getattr(args, flag) < math.inf:  # (NaN fails too)
+            raise CliError(f"--{flag.replace('_', '-')} must be a finite number > 0")
+    if not 0 <= args.shutdown_grace < math.inf:
+        raise CliError("--shutdown-grace must be a finite number >= 0")
     return ServerSettings(
         api_key=args.api_key,
         max_queue=args.max_queue,

@@ -224,13 +224,16 @@ def scenario_from_args(args: argparse.Namespace) -> Scenario:
     except SimulationError as err:
         raise CliError(str(err)) from None
     ms = 1e-3
-    overheads = Overheads(
-        step_gap=args.step_gap_ms * ms,
-        dispatch=args.dispatch_ms * ms,
-        handover=args.handover_ms * ms,
-        delivery=args.delivery_ms * ms,
-        worker_start=args.worker_start_s,
-    )
+    try:
+        overheads = Overheads(
+            step_gap=args.step_gap_ms * ms,
+            dispatch=args.dispatch_ms * ms,
+            handover=args.handover_ms * ms,
+            delivery=args.delivery_ms * ms,
+            worker_start=args.worker_start_s,
+        )
+    except SimulationError as err:
+        raise CliError(f"{err} (the --*-ms and --worker-start-s flags)") from None
     faults = tuple(_fault(text) for text in getattr(args, "kill", []))
     return Scenario(deployment, Costs(step, transfer, kv, by_threads), overheads, faults)
 
@@ -251,7 +254,7 @@ def _fault(text: str):  # noqa: ANN202 (simulation.deployment.Fault, imported la
     worker, _, seconds = text.partition("@")
     try:
         return Fault(float(seconds), worker)
-    except ValueError:
+    except ValueError:  # (SimulationError too: a time that is not finite and >= 0)
         raise CliError(f"--kill takes WORKER@SECONDS (e.g. decode-0@30), not {text!r}") from None
 
 

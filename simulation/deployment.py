@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
@@ -163,6 +164,14 @@ class Overheads:
     worker_start: float = 60.0  # a new worker: asked for -> serving (model load, warm-up)
     role_switch: float = 5.0  # a drained worker moves to the other pool
 
+    def __post_init__(self) -> None:
+        # (an infinite one leaves an event at infinity, which the stats poll waits for forever)
+        for name, value in vars(self).items():
+            if not 0 <= value < math.inf:
+                raise SimulationError(f"{name} must be a finite number of seconds >= 0")
+        if self.stats_interval <= 0:
+            raise SimulationError("stats_interval must be > 0")
+
 
 @dataclass(frozen=True)
 class Fault:
@@ -170,6 +179,10 @@ class Fault:
 
     at: float
     worker_id: str
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.at < math.inf:
+            raise SimulationError(f"a fault's time must be finite and >= 0, not {self.at}")
 
 
 @dataclass(frozen=True)

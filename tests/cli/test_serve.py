@@ -4,6 +4,7 @@ on SIGINT / SIGTERM."""
 from __future__ import annotations
 
 import argparse
+import re
 import signal
 import time
 from pathlib import Path
@@ -11,8 +12,9 @@ from pathlib import Path
 import httpx
 import pytest
 
+from cli.errors import CliError
 from cli.main import build_parser
-from cli.serve import deploy_config, engine_config, format_size, parse_size
+from cli.serve import deploy_config, engine_config, format_size, parse_size, server_settings
 from coordinator.api.settings import ServerSettings
 from coordinator.deploy import MODES, DeployConfig
 from engine.config import EngineConfig
@@ -130,6 +132,27 @@ def test_bad_size_is_a_usage_error(capsys) -> None:
     with pytest.raises(SystemExit):
         serve_args("--kv-cache-memory", "lots")
     assert "512MiB" in capsys.readouterr().err
+    with pytest.raises(SystemExit):  # (a float overflow, once a traceback)
+        serve_args("--kv-cache-memory", "9" * 400)
+    assert "too large a size" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--port", "99999"], "--port must be in [0, 65535]"),
+        (["--threads-per-worker", "-3"], "--threads-per-worker must be at least 1"),
+        (["--kv-cache-memory", "0"], "--kv-cache-memory must be at least 1"),
+        (["--max-model-len", "0"], "--max-model-len must be at least 1"),
+        (["--kv-transfer-timeout", "nan"], "--kv-transfer-timeout must be a finite number > 0"),
+        (["--placement-timeout", "-1"], "--placement-timeout must be a finite number > 0"),
+        (["--shutdown-grace", "-5"], "--shutdown-grace must be a finite number >= 0"),
+    ],
+)
+def test_flags_that_would_fail_after_startup_are_refused_before_it(flags, message) -> None:
+    # (server_settings runs before Ray starts or a model loads)
+    with pytest.raises(CliError, match=re.escape(message)):
+        server_settings(serve_args(*flags))
 
 
 def test_flags_become_the_engine_and_deploy_configs(tiny_llama) -> None:

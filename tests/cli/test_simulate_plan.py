@@ -65,6 +65,10 @@ def test_simulate_late_after_serves_newest_first_under_overload(tmp_path, capsys
     ("extra", "message"),
     [
         (["--kill", "decode-0"], "WORKER@SECONDS"),
+        (["--kill", "decode-0@nan"], "WORKER@SECONDS"),
+        # (an event at infinity: the stats poll waited for it forever)
+        (["--dispatch-ms", "inf"], "dispatch must be a finite number"),
+        (["--step-gap-ms", "nan"], "step_gap must be a finite number"),
         (["--decode-workers", "0"], "decode workers"),
         (["--routing", "cost", "--num-kv-blocks", "0"], "num_blocks"),
         (["--decode-headroom-tokens", "-1"], "decode_headroom_tokens"),
@@ -134,6 +138,12 @@ def test_plan_simulates_layouts_in_parallel_processes_to_the_same_plan(tmp_path,
         assert main([*args, "--jobs", jobs, "--plan-json", str(out)]) == 0
         plans.append(json.loads(out.read_text()))
     assert plans[0] == plans[1] and len(plans[0]["candidates"]) == 3
+
+
+def test_plan_refuses_more_gpus_than_it_can_search(capsys):
+    args = ["plan", "--profile", str(PROFILE), "--gpus", "100000000", "--slo", "ttft_p99=2s"]
+    assert main([*args, *WORKLOAD]) == 1
+    assert "--gpus takes at most" in capsys.readouterr().err
 
 
 def test_plan_reports_an_slo_no_layout_meets(capsys):
