@@ -147,11 +147,13 @@ def add_deployment_flags(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from loadtest.report import format_record
-    from loadtest.results import result_path, save_record
+    from loadtest.results import check_result_target, result_path, save_record
     from simulation.cluster import Simulation
     from simulation.report import simulated_record
 
     bench = config_from_args(args)
+    if bench.output.save_result is not None:  # refused now, not after the run
+        check_result_target(bench.output.save_result)
     scenario = scenario_from_args(args)
     requests = requests_from_args(args, bench)
     outcome = Simulation(scenario, requests, bench.load).run()

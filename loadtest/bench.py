@@ -21,7 +21,13 @@ from loadtest.datasets import sample_requests
 from loadtest.errors import BenchError
 from loadtest.metrics import compute_metrics
 from loadtest.report import format_record
-from loadtest.results import Record, result_path, result_record, save_record
+from loadtest.results import (
+    Record,
+    check_result_target,
+    result_path,
+    result_record,
+    save_record,
+)
 from loadtest.runner import run_load
 from loadtest.sample import SampleRequest
 from loadtest.sweep import format_sweep, goodput_of, run_sweep, sweep_record
@@ -32,6 +38,8 @@ from loadtest.token_count import TokenCounter, open_counter
 def run_bench(config: BenchConfig, out: TextIO) -> Record:
     """Runs the benchmark, prints its table to `out` and returns its record (a sweep's record
     holds one record per load)."""
+    if config.output.save_result is not None:  # refused now, not after the run
+        check_result_target(config.output.save_result)
     # trust_env=False: requests go straight to the server, never through a configured proxy.
     with httpx.Client(timeout=config.target.request_timeout_s, trust_env=False) as http:
         model = resolve_model(http, config.target)

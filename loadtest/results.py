@@ -6,6 +6,8 @@ file name vLLM would give it unless one is named."""
 from __future__ import annotations
 
 import json
+import os
+import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -120,9 +122,30 @@ def result_path(where: ResultFile, record: Mapping[str, Any]) -> Path:
     return name if where.directory is None else where.directory / name
 
 
+def check_result_target(where: ResultFile) -> None:
+    """Refuses, before a run, a --save-result target the run could not write: a
+    --result-dir that is a file (or cannot be made), a --result-filename that is a folder."""
+    if where.directory is not None:
+        try:
+            where.directory.mkdir(parents=True, exist_ok=True)
+        except OSError as err:
+            raise BenchError(f"--result-dir {where.directory} cannot be used: {err}") from None
+    if where.filename is not None:
+        path = Path(where.filename) if where.directory is None else where.directory / where.filename
+        if path.is_dir():
+            raise BenchError(f"the result file {path} is a folder")
+
+
 def save_record(record: Mapping[str, Any], path: Path) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(record) + "\n", encoding="utf-8")
+    """Writes the record; when `path` cannot be written, writes it to the working folder
+    instead (a long run's results are not lost) and raises BenchError naming both."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(record) + "\n", encoding="utf-8")
+    except OSError as err:
+        fallback = Path(f"tandem-result-{os.getpid()}-{int(time.time())}.json")
+        fallback.write_text(json.dumps(record) + "\n", encoding="utf-8")
+        raise BenchError(f"cannot write {path} ({err}); the result is in {fallback}") from None
 
 
 def load_record(path: Path) -> Record:

@@ -1,0 +1,35 @@
+"""--save-result targets that cannot be written are refused before a run, and a record that
+cannot be written where asked is kept in the working folder instead of lost."""
+
+import json
+
+import pytest
+
+from loadtest.config import ResultFile
+from loadtest.errors import BenchError
+from loadtest.results import check_result_target, save_record
+
+
+def test_a_result_dir_that_is_a_file_is_refused(tmp_path) -> None:
+    (tmp_path / "taken").write_text("x")
+    with pytest.raises(BenchError, match="--result-dir"):
+        check_result_target(ResultFile(directory=tmp_path / "taken"))
+
+
+def test_a_result_file_that_is_a_folder_is_refused(tmp_path) -> None:
+    (tmp_path / "out.json").mkdir()
+    with pytest.raises(BenchError, match="is a folder"):
+        check_result_target(ResultFile(directory=tmp_path, filename="out.json"))
+    check_result_target(ResultFile(directory=tmp_path / "new", filename="r.json"))  # made now
+    assert (tmp_path / "new").is_dir()
+
+
+def test_a_record_that_cannot_be_written_is_kept_in_the_working_folder(
+    tmp_path, monkeypatch
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(BenchError, match="the result is in tandem-result-") as raised:
+        save_record({"completed": 3}, tmp_path / "file" / "r.json")  # its parent is a file
+    kept = str(raised.value).rsplit(" ", 1)[-1]
+    assert json.loads((tmp_path / kept).read_text()) == {"completed": 3}
