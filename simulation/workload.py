@@ -37,6 +37,9 @@ from loadtest.config import (
 from loadtest.datasets import draw_lengths
 from loadtest.sample import SampleRequest
 
+MAX_ARRIVAL_S = 30 * 24 * 3600.0  # a month: the stats poll ticks every simulated second
+MAX_TRACE_TOKENS = 1 << 30
+
 
 class SimulationError(ValueError):
     """A workload, deployment or cost file the simulator cannot use (a clear CLI message)."""
@@ -189,8 +192,8 @@ def load_trace(path: Path) -> list[SimRequest]:
     prefixes: dict[object, tuple[int, int]] = {}
     requests: list[SimRequest] = []
     try:
-        lines = path.read_text().splitlines()
-    except OSError as err:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except (OSError, UnicodeDecodeError) as err:
         raise SimulationError(f"cannot read trace {path}: {err}") from None
     for number, line in enumerate(lines, 1):
         if not line.strip():
@@ -203,10 +206,16 @@ def load_trace(path: Path) -> list[SimRequest]:
                 int(row["output_len"]),
             )
             prefix_id, prefix_len = row.get("prefix_id"), int(row.get("prefix_len", 0))
-        except (ValueError, KeyError, TypeError) as err:
+            hash(prefix_id)  # (a list or an object cannot name a prefix)
+        except (ValueError, KeyError, TypeError, OverflowError, AttributeError) as err:
             raise SimulationError(f"{path}:{number}: not a trace row ({err!r})") from None
         if not (math.isfinite(arrival) and arrival >= 0 and n_in > 0 and n_out > 0):
             raise SimulationError(f"{path}:{number}: arrival >= 0 and lengths > 0, please")
+        if arrival > MAX_ARRIVAL_S or max(n_in, n_out, prefix_len) > MAX_TRACE_TOKENS:
+            raise SimulationError(
+                f"{path}:{number}: arrivals up to {MAX_ARRIVAL_S:.0f} s and lengths up to "
+                f"{MAX_TRACE_TOKENS} tokens, please"
+            )
         if prefix_id is None or prefix_len <= 0:
             prompt = _prompt(ids, 0, 0, n_in)
         else:
