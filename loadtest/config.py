@@ -102,6 +102,7 @@ class LoadConfig:
         _require(self.num_warmups >= 0, "--num-warmups must be >= 0")
         duration_ok = self.max_duration_s is None or self.max_duration_s > 0
         _require(duration_ok, "--max-duration must be > 0")
+        _require(self.seed >= 0, "--seed must be >= 0")  # (numpy's generators take no other)
 
 
 @dataclass(frozen=True)
@@ -170,6 +171,7 @@ class DatasetConfig:
 
     def __post_init__(self) -> None:
         _require(self.num_prompts > 0, "--num-prompts must be > 0")
+        _require(self.seed >= 0, "--seed must be >= 0")
 
 
 @dataclass(frozen=True)

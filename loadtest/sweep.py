@@ -26,7 +26,7 @@ def parse_sweep(text: str) -> SweepSpec:
         values = tuple(float(v) for v in listed.split(","))
     except ValueError:
         raise BenchError(f"--sweep {text!r}: values must be numbers") from None
-    if any(v <= 0 or math.isinf(v) for v in values):
+    if not all(0 < v < math.inf for v in values):  # (NaN fails too)
         raise BenchError(f"--sweep {text!r}: values must be finite and > 0")
     if parameter is SweepParameter.MAX_CONCURRENCY and any(v != int(v) for v in values):
         raise BenchError(f"--sweep {text!r}: concurrencies must be whole numbers")

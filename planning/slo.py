@@ -6,6 +6,7 @@ Each objective names a metric (ttft, itl, tpot, e2el), a percentile and a limit;
 
 from __future__ import annotations
 
+import math
 import re
 from typing import NamedTuple
 
@@ -44,6 +45,8 @@ def parse_slo(text: str) -> tuple[Objective, ...]:
             raise SloError(
                 f"an SLO is metric_pNN=limit (metric: ttft, itl, tpot, e2el), not {part!r}"
             )
+        if not 0 < float(match[2]) <= 100:
+            raise SloError(f"a percentile is in (0, 100], not {match[2]} in {part!r}")
         objectives.append(Objective(match[1], float(match[2]), _milliseconds(value.strip())))
     if not objectives:
         raise SloError("give at least one objective, e.g. ttft_p99=2s,itl_p99=50ms")
@@ -61,8 +64,8 @@ def _milliseconds(value: str) -> float:
         limit = float(value) * factor
     except ValueError:
         raise SloError(f"not a time limit: {value!r} (e.g. 2s or 50ms)") from None
-    if limit <= 0:
-        raise SloError("time limits must be > 0")
+    if not 0 < limit < math.inf:  # (NaN fails too)
+        raise SloError("time limits must be finite and > 0")
     return limit
 
 

@@ -125,6 +125,11 @@ def with_arrivals(
 ) -> list[SimRequest]:
     """Arrival times as `tandem bench` draws them (rate, burstiness, seed)."""
     offsets = send_offsets(len(prompts), load.request_rate, load.burstiness, load.seed)
+    if len(offsets) and offsets[-1] > MAX_ARRIVAL_S:
+        raise SimulationError(
+            f"at {load.request_rate:g} req/s the last request arrives after {offsets[-1]:.3g} s; "
+            f"a simulation spans at most {MAX_ARRIVAL_S:.0f} s"
+        )
     return [
         SimRequest(float(at), ids, int(n_out))
         for at, (ids, n_out) in zip(offsets, prompts, strict=True)

@@ -8,6 +8,10 @@ import numpy as np
 import pytest
 
 from loadtest.arrivals import arrival_gaps, send_offsets
+from loadtest.config import LoadConfig
+from loadtest.errors import BenchError
+from loadtest.sweep import parse_sweep
+from planning.slo import SloError, parse_slo
 
 COUNT = 40_000
 
@@ -58,3 +62,14 @@ def test_infinite_burstiness_spaces_requests_evenly() -> None:
     # (as vllm bench serve reads it; a gamma of infinite shape gave NaN gaps, and a runner
     # that waits only for positive delays then sent everything at once)
     assert send_offsets(5, 10.0, math.inf, 0) == pytest.approx([0.0, 0.1, 0.2, 0.3, 0.4])
+
+
+def test_bad_seeds_sweeps_and_slos_are_one_line_errors() -> None:
+    with pytest.raises(BenchError, match="--seed"):
+        LoadConfig(seed=-1)
+    with pytest.raises(BenchError, match="finite"):
+        parse_sweep("max-concurrency=nan")
+    with pytest.raises(SloError, match="percentile"):
+        parse_slo("ttft_p150=2s")
+    with pytest.raises(SloError, match="finite"):
+        parse_slo("ttft_p99=nans")

@@ -5,7 +5,8 @@ import json
 
 import pytest
 
-from simulation.workload import SimulationError, load_trace
+from loadtest.config import LoadConfig
+from simulation.workload import SimulationError, load_trace, with_arrivals
 
 
 def write(tmp_path, rows) -> object:
@@ -50,3 +51,10 @@ def test_an_unreadable_trace_is_one_error(tmp_path) -> None:
     path.write_bytes(b"\xff\xfe\x00garbage")
     with pytest.raises(SimulationError, match="cannot read trace"):
         load_trace(path)
+
+
+def test_a_rate_so_low_the_arrivals_leave_the_month_is_refused() -> None:
+    prompts = [([1, 2, 3], 2)] * 3
+    assert len(with_arrivals(prompts, LoadConfig(request_rate=1.0))) == 3
+    with pytest.raises(SimulationError, match="at most"):
+        with_arrivals(prompts, LoadConfig(request_rate=1e-300))
