@@ -150,13 +150,18 @@ def run(args: argparse.Namespace) -> int:
     from loadtest.results import check_result_target, result_path, save_record
     from simulation.cluster import Simulation
     from simulation.report import simulated_record
+    from simulation.workload import SimulationError
 
     bench = config_from_args(args)
     if bench.output.save_result is not None:  # refused now, not after the run
         check_result_target(bench.output.save_result)
     scenario = scenario_from_args(args)
     requests = requests_from_args(args, bench)
-    outcome = Simulation(scenario, requests, bench.load).run()
+    try:
+        simulation = Simulation(scenario, requests, bench.load)
+    except SimulationError as err:
+        raise CliError(str(err)) from None
+    outcome = simulation.run()
     name = "trace" if args.trace else bench.dataset.spec.name
     record = simulated_record(
         outcome,

@@ -62,10 +62,26 @@ class ModelConfig:
         if not config_file.is_file():
             raise ConfigError(f"{folder} is not a model folder: config.json not found")
         raw = _read_json(config_file)
+        if not isinstance(raw, dict):
+            raise ConfigError(f"{config_file} holds no JSON object")
+        try:
+            return cls._from_fields(folder, raw)
+        except ConfigError:
+            raise
+        except KeyError as err:
+            raise ConfigError(f"{config_file} has no {err.args[0]!r}") from None
+        except (TypeError, ValueError, ZeroDivisionError, AttributeError) as err:
+            raise ConfigError(f"{config_file} is not a model we can load: {err}") from None
+
+    @classmethod
+    def _from_fields(cls, folder: Path, raw: dict) -> ModelConfig:
         architecture = _architecture(raw)
         generation = _read_json(folder / "generation_config.json", missing_ok=True)
         num_heads = raw["num_attention_heads"]
         hidden_size = raw["hidden_size"]
+        for name in ("num_attention_heads", "hidden_size", "num_hidden_layers", "vocab_size"):
+            if not isinstance(raw[name], int) or raw[name] < 1:
+                raise ValueError(f"{name} must be a positive integer, not {raw[name]!r}")
         head_dim = raw.get("head_dim") or hidden_size // num_heads
         max_positions = raw.get("max_position_embeddings", 2048)
         return cls(
@@ -145,7 +161,7 @@ def _read_json(path: Path, missing_ok: bool = False) -> dict[str, Any]:
         return {}
     try:
         return json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as err:
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
         raise ConfigError(f"cannot read {path}: {err}") from err
 
 

@@ -41,7 +41,7 @@ from simulation.deployment import Scenario
 from simulation.interference import slowed
 from simulation.leap import Leap, cut, plan_leap, settle
 from simulation.worker import PacedStep, SimWorker
-from simulation.workload import SimRequest
+from simulation.workload import SimRequest, SimulationError
 
 FRESH_TOKEN_BASE = 1 << 40  # made-up output tokens of real (list) prompts: shared by none
 
@@ -148,6 +148,12 @@ class Simulation:
             self.workers[worker_id] = self._new_worker(worker_id, "prefill")
         for worker_id in decode_ids:
             self.workers[worker_id] = self._new_worker(worker_id, "decode")
+        unknown = sorted({f.worker_id for f in scenario.faults} - set(self.workers))
+        if unknown:  # (a fault that kills nothing is a typo, not a scenario)
+            raise SimulationError(
+                f"no worker {', '.join(unknown)} to kill; this deployment has "
+                f"{', '.join(self.workers)}"
+            )
         # Who holds what, in placing order (a set would re-place a dead worker's requests in an
         # order that changes from one process to the next).
         self._holders: dict[str, dict[Run, None]] = {w: {} for w in self.workers}

@@ -66,6 +66,7 @@ def test_simulate_late_after_serves_newest_first_under_overload(tmp_path, capsys
     [
         (["--kill", "decode-0"], "WORKER@SECONDS"),
         (["--kill", "decode-0@nan"], "WORKER@SECONDS"),
+        (["--kill", "decode-7@1"], "no worker decode-7 to kill"),
         # (an event at infinity: the stats poll waited for it forever)
         (["--dispatch-ms", "inf"], "dispatch must be a finite number"),
         (["--step-gap-ms", "nan"], "step_gap must be a finite number"),

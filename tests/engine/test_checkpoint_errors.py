@@ -33,6 +33,31 @@ def test_unsupported_architecture_names_the_supported_ones(copy) -> None:
         ModelConfig.from_pretrained(copy)
 
 
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"num_attention_heads": 0}, "num_attention_heads must be a positive integer"),
+        ({"num_hidden_layers": 0}, "num_hidden_layers must be a positive integer"),
+        ({"hidden_size": "wide"}, "hidden_size must be a positive integer"),
+    ],
+)
+def test_a_config_with_impossible_sizes_is_named(copy, change, message) -> None:
+    edit_config(copy, **change)  # (a ZeroDivisionError or a TypeError before)
+    with pytest.raises(ConfigError, match=message):
+        ModelConfig.from_pretrained(copy)
+
+
+def test_a_config_missing_a_field_or_not_an_object_is_named(copy) -> None:
+    config = json.loads((copy / "config.json").read_text())
+    del config["num_attention_heads"]
+    (copy / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ConfigError, match="has no 'num_attention_heads'"):
+        ModelConfig.from_pretrained(copy)
+    (copy / "config.json").write_text("[]")
+    with pytest.raises(ConfigError, match="holds no JSON object"):
+        ModelConfig.from_pretrained(copy)
+
+
 def test_missing_folder(tmp_path) -> None:
     with pytest.raises(ConfigError, match="config.json not found"):
         ModelConfig.from_pretrained(tmp_path / "nothing")
