@@ -65,7 +65,6 @@ class WorkerLoad:
     running: int = 0  # requests the coordinator has placed there and not seen finish
     queued_tokens: int = 0  # prompt tokens placed there and not yet prefilled
     free_blocks: int = 0  # from the worker's last stats report
-    alive: bool = True
     accepting: bool = True  # False while draining: alive, finishing its work, gets none new
     full: bool = False  # refused a reservation; until a request ends there or it reports again
     reported_queue: int = 0  # prompt tokens waiting in its engine, from its last stats report
@@ -150,7 +149,7 @@ class Router:
             hashes = prefix_hashes(token_ids, self.block_size)
         decodes = _preferred(_open(self.decode, "decode"), avoid)
         decodes = [w for w in decodes if not w.full] or decodes
-        prefills = _preferred([w for w in self.prefill.values() if w.alive and w.accepting], avoid)
+        prefills = _preferred([w for w in self.prefill.values() if w.accepting], avoid)
         if self.policy == "cost":
             return self._cheapest(len(token_ids), hashes, decodes, [] if local else prefills)
         if self.policy == "round-robin":
@@ -256,7 +255,7 @@ class Router:
 
     def may_have_room(self) -> bool:
         """Some open decode worker has not refused a reservation since it last reported."""
-        return any(w.alive and w.accepting and not w.full for w in self.decode.values())
+        return any(w.accepting and not w.full for w in self.decode.values())
 
     def observe(self, worker_id: str, free_blocks: int, queued_tokens: int = 0) -> None:
         """Records a worker's latest free KV blocks and prompt tokens waiting in its engine."""
@@ -267,13 +266,8 @@ class Router:
                 pool[worker_id].full = False
 
     def is_alive(self, worker_id: str) -> bool:
-        load = self.decode.get(worker_id) or self.prefill.get(worker_id)
-        return load is not None and load.alive
-
-    def mark_dead(self, worker_id: str) -> None:
-        for pool in (self.prefill, self.decode):
-            if worker_id in pool:
-                pool[worker_id].alive = False
+        """The worker is in a pool (a worker that died or left is forgotten: `remove`)."""
+        return worker_id in self.decode or worker_id in self.prefill
 
     def set_accepting(self, worker_id: str, accepting: bool) -> None:
         """A draining worker stays alive (its requests finish) but gets no new ones."""
@@ -294,7 +288,7 @@ class Router:
 
 def _open(pool: dict[str, WorkerLoad], name: str) -> list[WorkerLoad]:
     """The pool's workers that take new requests."""
-    open_ = [w for w in pool.values() if w.alive and w.accepting]
+    open_ = [w for w in pool.values() if w.accepting]
     if not open_:
         raise NoWorkerError(f"no live {name} worker")
     return open_

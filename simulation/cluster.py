@@ -675,14 +675,15 @@ class Simulation:
     # -- faults and pool changes ---------------------------------------------------------
 
     def kill(self, worker_id: str) -> None:
-        """The worker dies: the router stops choosing it; its requests are placed again."""
+        """The worker dies: the router forgets it (as the coordinator's `_worker_left` does:
+        its load and cached prefixes are gone); its requests are placed again."""
         worker = self.workers.get(worker_id)
         if worker is None or not worker.alive:
             return
         self._settle(worker)
         self._void_steps(worker)
         worker.alive = False
-        self.router.mark_dead(worker_id)
+        self.router.remove(worker_id)
         for run in list(self._holders[worker_id]):
             self._lose(run, worker_id)
 

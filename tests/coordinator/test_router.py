@@ -93,11 +93,11 @@ def test_threshold_zero_never_prefills_locally() -> None:
     assert router.route([7]) == Route("d0", "p0")
 
 
-def test_dead_workers_are_skipped() -> None:
+def test_workers_that_left_are_skipped() -> None:
     router = make_router()
     router.placed(Route("d1", "p1"), PROMPT_B)  # d1 busier, but d0 is the one that dies
-    router.mark_dead("d0")
-    router.mark_dead("p0")
+    router.remove("d0")
+    router.remove("p0")
     assert router.route(PROMPT_A) == Route("d1", "p1")
     assert (router.is_alive("d0"), router.is_alive("p0"), router.is_alive("d1")) == (
         False, False, True
@@ -107,16 +107,16 @@ def test_dead_workers_are_skipped() -> None:
 
 def test_all_decode_workers_dead_raises() -> None:
     router = make_router()
-    router.mark_dead("d0")
-    router.mark_dead("d1")
+    router.remove("d0")
+    router.remove("d1")
     with pytest.raises(NoWorkerError, match="no live decode worker"):
         router.route(PROMPT_A)
 
 
 def test_all_prefill_workers_dead_falls_back_to_local_prefill() -> None:
     router = make_router(local_threshold=0)
-    router.mark_dead("p0")
-    router.mark_dead("p1")
+    router.remove("p0")
+    router.remove("p1")
     assert router.route(PROMPT_A) == Route("d0", None)
 
 

@@ -359,6 +359,8 @@ def test_a_dead_decode_worker_turns_into_retries_not_lost_requests():
     assert any(r.attempts for r in done)  # some were on decode-0 when it died
     after = [r for r in done if r.finished_at > 0.5]
     assert after and all(r.route is not None and r.route.decode_id != "decode-0" for r in after)
+    # Forgotten as the coordinator forgets a worker that left: no load, no cached prefixes.
+    assert "decode-0" not in sim.router.decode and not sim.router.is_alive("decode-0")
     for worker in sim.workers.values():
         if worker.alive:
             assert not worker.reserved and not worker.scheduler.num_unfinished
