@@ -89,6 +89,8 @@ class FaultyTransport:
 
 
 class _Done:
+    finished = True
+
     def wait(self, timeout: float | None) -> None:
         return None
 

@@ -44,7 +44,7 @@ from kernels import ops
 from kernels.threads import use_threads
 from kvtransfer.integrity import DIGEST_START, fold, part_sums
 from kvtransfer.streams import settle, use_own_stream
-from kvtransfer.transport import Channel, Rendezvous, TransferError, Transport
+from kvtransfer.transport import Channel, Pending, Rendezvous, TransferError, Transport
 from kvtransfer.wire import AbortFrame, CloseFrame, DoneFrame, PostedFrame, StepFrame
 from protocol.kv import Route, base_key
 
@@ -108,7 +108,9 @@ class _Closed(Exception):
 class _StepBroke(Exception):
     """A step's receive failed; `posted` holds what may still be posted (pending, buffer)."""
 
-    def __init__(self, error: Exception, posted: list[object]) -> None:
+    def __init__(
+        self, error: Exception, posted: list[PostedFrame | tuple[Pending, torch.Tensor]]
+    ) -> None:
         super().__init__(str(error))
         self.error = error
         self.posted = posted
@@ -166,8 +168,9 @@ class KVReceiver:
         self.stale_frames = 0  # payloads and frames of attempts no longer expected, dropped
         # Receives still posted on channels that broke: a transport may write into their
         # buffers after the receiver gave up (UCX does), so the buffers must outlive the
-        # channel, or the bytes land in memory Python has handed to something else.
-        self._posted_on_broken: list[object] = []
+        # channel, or the bytes land in memory Python has handed to something else. Each is
+        # let go once its transport is done with it (`Pending.finished`).
+        self._posted_on_broken: list[PostedFrame | tuple[Pending, torch.Tensor]] = []
 
     @property
     def open_channels(self) -> int:
@@ -221,6 +224,7 @@ class KVReceiver:
             verify=verify,
         )
         with self._lock:
+            self._release_finished()
             self._expected[request_id] = expected
             starting = [leg for leg in legs if leg.key not in self._serving]
             self._serving.update(leg.key for leg in starting)
@@ -286,9 +290,25 @@ class KVReceiver:
         if self.on_broken is not None:
             self.on_broken(base_key(key))
 
-    def _keep_posted(self, posted: list[object]) -> None:
+    @property
+    def held_after_break(self) -> int:
+        """Receives of broken channels whose buffers are still held (their transport has not
+        finished them yet)."""
         with self._lock:
+            self._release_finished()
+            return len(self._posted_on_broken)
+
+    def _keep_posted(self, posted: list[PostedFrame | tuple[Pending, torch.Tensor] | None]) -> None:
+        with self._lock:
+            self._release_finished()
             self._posted_on_broken.extend(p for p in posted if p is not None)
+
+    def _release_finished(self) -> None:
+        """Drops the held receives the transport has finished (under the lock)."""
+        if self._posted_on_broken:
+            self._posted_on_broken = [
+                p for p in self._posted_on_broken if not _pending_of(p).finished
+            ]
 
     def _receive_one(
         self, channel: Channel, leg: Leg, posted: PostedFrame, spare: StagingBuffers
@@ -409,3 +429,7 @@ class KVReceiver:
                 routes,
             )
         )
+
+
+def _pending_of(posted: PostedFrame | tuple[Pending, torch.Tensor]) -> Pending:
+    return posted.pending if isinstance(posted, PostedFrame) else posted[0]

@@ -32,12 +32,16 @@ class _Pending:
 
     def __init__(self, work, buffer: torch.Tensor, copy_to: torch.Tensor | None = None) -> None:
         self.work, self.buffer, self.copy_to = work, buffer, copy_to
+        self.finished = False
 
     def wait(self, timeout: float | None) -> None:
         try:
             self.work.wait(IDLE_WAIT if timeout is None else _seconds(timeout))
         except RuntimeError as err:
             raise TransferError(str(err).splitlines()[0]) from err
+        # Only a wait that succeeded says the backend is done with the buffer: a gloo work
+        # marks itself completed when its wait times out, with the receive still posted.
+        self.finished = True
         if self.copy_to is not None:
             self.copy_to.copy_(self.buffer)
 

@@ -36,6 +36,11 @@ class Pending(Protocol):
         """Returns when the operation completed; raises TransferError on failure or timeout
         (`None`: no deadline, for an idle receiver; a dead peer still ends the wait)."""
 
+    @property
+    def finished(self) -> bool:
+        """The transport is done with the buffer (the operation completed, failed or was
+        cancelled): it writes or reads it no more, so it may be released."""
+
 
 class Channel(Protocol):
     def send(self, tensor: torch.Tensor, timeout: float) -> None: ...

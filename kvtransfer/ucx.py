@@ -65,6 +65,10 @@ class UcxPending:
             self.copy_to.copy_(self.staged)
             self.copy_to = None
 
+    @property
+    def finished(self) -> bool:
+        return self.request.completed
+
 
 class UcxChannel:
     """One thread at a time posts on a channel: the tag sequence is the posting order."""
@@ -120,9 +124,15 @@ class UcxChannel:
         healthy = self.error is None
         self.error = self.error or "channel closed"
         self.worker.hang_up(self)
-        if healthy:
-            with contextlib.suppress(TransferError):  # flush what this side sent
-                self.worker.wait(self.endpoint.close(), None, 1.0, None)
+        # Closing the endpoint also cancels what is still posted on it (the receives of a
+        # channel given up on a deadline), so their requests complete and their buffers can
+        # go. Not once UCX has found the peer gone: that endpoint has failed its requests
+        # already, and closing it crashes ucxx.
+        if healthy or self.endpoint.alive:
+            closing = self.endpoint.close()
+            if healthy:
+                with contextlib.suppress(TransferError):  # flush what this side sent
+                    self.worker.wait(closing, None, 1.0, None)
         self.lifeline.close()
         self.endpoint = None
 
