@@ -13,6 +13,12 @@ if TYPE_CHECKING:  # transformers loads torch: only a Tokenizer's construction p
 # Tokens of the prompt decoded along with the first output tokens, so that tokenizers which
 # drop a word's leading space at the start of a decode still produce it.
 PROMPT_CONTEXT_TOKENS = 5
+# apply_chat_template's own arguments: a request's template options may not set them.
+RESERVED_TEMPLATE_KWARGS = frozenset(
+    {"conversation", "chat_template", "tokenize", "padding", "truncation", "max_length",
+     "return_tensors", "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs",
+     "continue_final_message", "documents"}
+)  # fmt: skip
 
 
 class TokenizerError(ValueError):
@@ -49,8 +55,14 @@ class Tokenizer:
         return self.hf.encode(text, add_special_tokens=add_special_tokens)
 
     def render_chat(
-        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
+        **template_kwargs: Any,
     ) -> str:
+        """The conversation as the model's chat template writes it. `tools` (function schemas)
+        and `template_kwargs` are variables the template may read."""
         if not self.has_chat_template:
             raise TokenizerError("this model has no chat template")
         for message in messages:
@@ -58,16 +70,24 @@ class Tokenizer:
             for part in content if isinstance(content, list) else [content]:
                 if isinstance(part, str):
                     check_unicode(part)
+        reserved = RESERVED_TEMPLATE_KWARGS.intersection(template_kwargs)
+        if reserved:
+            raise TokenizerError(f"chat template options may not set {', '.join(sorted(reserved))}")
         try:
             return self.hf.apply_chat_template(
-                messages, tokenize=False, add_generation_prompt=add_generation_prompt
+                messages,
+                tools=tools,
+                tokenize=False,
+                add_generation_prompt=add_generation_prompt,
+                **template_kwargs,
             )
         except Exception as err:  # the template itself raises on messages it rejects
             raise TokenizerError(f"chat template rejected the messages: {err}") from err
 
-    def encode_chat(self, messages: list[dict[str, Any]]) -> list[int]:
+    def encode_chat(self, messages: list[dict[str, Any]], **options: Any) -> list[int]:
+        """`options`: `render_chat`'s."""
         # The rendered template already holds BOS and friends: add no special tokens again.
-        return self.encode(self.render_chat(messages), add_special_tokens=False)
+        return self.encode(self.render_chat(messages, **options), add_special_tokens=False)
 
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
         # `decode` first walks the ids through transformers' generic to-Python conversion, a

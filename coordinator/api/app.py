@@ -164,7 +164,7 @@ async def tokenize(body: TokenizeRequest, request: Request) -> JSONResponse:
     if body.prompt is not None:
         tokens = tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
     else:
-        tokens = chat_prompt(tokenizer, body.messages or [])
+        tokens = chat_prompt(tokenizer, body.messages or [], **body.template_options())
     response = TokenizeResponse(
         tokens=tokens, count=len(tokens), max_model_len=ctx.client.max_model_len
     )

@@ -34,7 +34,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
     arrival = time.monotonic()
     ctx = context_of(request)
     ctx.check_model(body.model)
-    prompt = chat_prompt(ctx.client.tokenizer, body.messages)
+    prompt = chat_prompt(ctx.client.tokenizer, body.messages, **body.template_options())
     names = {
         "prompt": "messages",
         "logprobs": "top_logprobs",

@@ -6,6 +6,8 @@ occupies a place in the queue.
 
 from __future__ import annotations
 
+from typing import Any
+
 from coordinator.api.client import EngineClient
 from coordinator.api.errors import as_api_error, invalid
 from coordinator.api.protocol import ChatMessage, Prompt, SamplingRequest
@@ -27,8 +29,9 @@ def completion_prompts(tokenizer: Tokenizer, prompt: Prompt) -> list[list[int]]:
     return [tokenizer.encode(p) if isinstance(p, str) else list(p) for p in prompts]
 
 
-def chat_prompt(tokenizer: Tokenizer, messages: list[ChatMessage]) -> list[int]:
-    return tokenizer.encode_chat([m.as_template_input() for m in messages])
+def chat_prompt(tokenizer: Tokenizer, messages: list[ChatMessage], **options: Any) -> list[int]:
+    """`options`: the template's (`ChatCompletionRequest.template_options`)."""
+    return tokenizer.encode_chat([m.as_template_input() for m in messages], **options)
 
 
 def build_params(

@@ -3,11 +3,14 @@
 Unknown parameters are refused (`extra="forbid"`, reported as a 400 naming the parameter), so
 nothing a client asks for is silently ignored. A few OpenAI parameters we do not implement are
 still accepted at their neutral value (`echo: false`, `logit_bias: {}`, `best_of` equal to `n`,
-...), because clients send them with defaults filled in.
+...), because clients send them with defaults filled in; so are nulls anywhere in a message (an
+SDK's dump of an earlier reply carries `refusal: null`, `tool_calls: null`, ...). Bookkeeping
+fields that ask nothing of generation (`user`, `store`, `metadata`) are accepted and unused.
 """
 
 from __future__ import annotations
 
+import json
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -19,13 +22,15 @@ NEUTRAL_VALUES: dict[str, tuple[Any, ...]] = {
     "suffix": (None, ""),
     "logit_bias": (None, {}),
     "best_of": (None, 1),
-    "tools": (None, []),
-    "tool_choice": (None, "none"),
     "parallel_tool_calls": (None, False, True),
     "response_format": (None, {"type": "text"}),
     "service_tier": (None, "auto", "default"),
-    "store": (None, False),
-    "metadata": (None, {}),
+    "modalities": (None, ["text"]),
+}
+# Message fields an SDK fills in on replies it returns, at the values that say nothing.
+NEUTRAL_MESSAGE_VALUES: dict[str, tuple[Any, ...]] = {
+    "tool_calls": ([],),
+    "annotations": ([],),
 }
 
 
@@ -52,8 +57,20 @@ def _drop_neutral(data: Any) -> Any:
     return kept
 
 
+def _drop_nulls(data: Any) -> Any:
+    """Removes fields sent as null (the default) from a nested object."""
+    if not isinstance(data, dict):
+        return data
+    return {name: value for name, value in data.items() if value is not None}
+
+
 class StreamOptions(_Strict):
     include_usage: bool = False
+
+    @model_validator(mode="before")
+    @classmethod
+    def _nulls(cls, data: Any) -> Any:
+        return _drop_nulls(data)
 
 
 class SamplingRequest(_Strict):
@@ -78,6 +95,8 @@ class SamplingRequest(_Strict):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None  # an end-user id for the client's own records; kept, never used
+    store: bool | None = None  # OpenAI's stored completions: nothing is stored here
+    metadata: dict[str, str] | None = None  # tags for stored completions: unused
 
     @model_validator(mode="before")
     @classmethod
@@ -126,10 +145,55 @@ def _is_ids(value: Any) -> bool:
     )
 
 
+class FunctionCall(_Strict):
+    name: str
+    arguments: str | dict[str, Any]  # a JSON object as text (OpenAI) or already parsed
+
+
+class ToolCall(_Strict):
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+    @model_validator(mode="before")
+    @classmethod
+    def _nulls(cls, data: Any) -> Any:
+        return _drop_nulls(data)
+
+
+class FunctionDefinition(_Strict):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(_Strict):
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+    def as_template_input(self) -> dict[str, Any]:
+        return {"type": "function", "function": self.function.model_dump(exclude_none=True)}
+
+
 class ChatMessage(_Strict):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[dict[str, Any]] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None  # an assistant turn that called tools
+    tool_call_id: str | None = None  # a tool turn: the call it answers
+    refusal: str | None = None  # an assistant turn's refusal text (never rendered)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _nulls(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        kept = _drop_nulls(data)
+        for name, neutral in NEUTRAL_MESSAGE_VALUES.items():
+            if name in kept and kept[name] in neutral:
+                del kept[name]
+        return kept
 
     @field_validator("content")
     @classmethod
@@ -150,20 +214,77 @@ class ChatMessage(_Strict):
         message: dict[str, Any] = {"role": self.role, "content": content or ""}
         if self.name is not None:
             message["name"] = self.name
+        if self.tool_calls:
+            # Templates read the arguments as a mapping (`| tojson`), as transformers' chat
+            # templating documents; OpenAI sends them as JSON text.
+            message["tool_calls"] = [
+                {
+                    **({"id": call.id} if call.id is not None else {}),
+                    "type": "function",
+                    "function": {
+                        "name": call.function.name,
+                        "arguments": _arguments(call.function.arguments),
+                    },
+                }
+                for call in self.tool_calls
+            ]
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
         return message
 
 
-class ChatCompletionRequest(SamplingRequest):
+def _arguments(arguments: str | dict[str, Any]) -> dict[str, Any] | str:
+    """A call's arguments as a mapping when they are a JSON object, else as sent."""
+    if isinstance(arguments, dict):
+        return arguments
+    try:
+        parsed = json.loads(arguments)
+    except ValueError:
+        return arguments
+    return parsed if isinstance(parsed, dict) else arguments
+
+
+class TemplateOptions(_Strict):
+    """What a conversation's chat template reads besides the messages."""
+
+    tools: list[Tool] | None = None  # function schemas, rendered by the template
+    # vLLM's extensions to the chat request.
+    add_generation_prompt: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None
+    reasoning_effort: Literal["minimal", "low", "medium", "high"] | None = None  # to the template
+
+    def template_options(self) -> dict[str, Any]:
+        options: dict[str, Any] = dict(self.chat_template_kwargs or {})
+        if self.tools:
+            options["tools"] = [tool.as_template_input() for tool in self.tools]
+        if self.reasoning_effort is not None:
+            options["reasoning_effort"] = self.reasoning_effort
+        options["add_generation_prompt"] = self.add_generation_prompt
+        return options
+
+
+class ChatCompletionRequest(TemplateOptions, SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = None  # None: up to the context length
     max_completion_tokens: int | None = None  # OpenAI's newer name for max_tokens
     logprobs: bool = False
     top_logprobs: int | None = None
+    # Calls in the output are not parsed out (the reply is text), so only tool_choice "none"
+    # may go with tools, as in a vLLM server started without a tool-call parser.
+    tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
 
     @model_validator(mode="after")
     def _logprob_flags(self) -> ChatCompletionRequest:
         if self.top_logprobs is not None and not self.logprobs:
             raise _body_error("top_logprobs", "top_logprobs needs logprobs set to true")
+        choice = self.tool_choice or ("auto" if self.tools else "none")
+        if choice != "none":
+            raise _body_error(
+                "tool_choice",
+                f"tool_choice {choice!r} needs tool calls parsed from the model's output, "
+                'which tandem does not do: send tool_choice "none" (the tools are still '
+                "shown to the model through its chat template)",
+            )
         both = self.max_tokens is not None and self.max_completion_tokens is not None
         if both and self.max_tokens != self.max_completion_tokens:
             raise _body_error("max_tokens", "max_tokens and max_completion_tokens differ")
@@ -180,7 +301,9 @@ class ChatCompletionRequest(SamplingRequest):
         return (self.top_logprobs or 0) if self.logprobs else None
 
 
-class TokenizeRequest(_Strict):
+class TokenizeRequest(TemplateOptions):
+    """A prompt's tokens, or a conversation's as the chat route renders it (same options)."""
+
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
@@ -190,6 +313,8 @@ class TokenizeRequest(_Strict):
     def _one_input(self) -> TokenizeRequest:
         if (self.prompt is None) == (self.messages is None):
             raise _body_error("prompt", "send exactly one of prompt and messages")
+        if self.prompt is not None and (self.tools or self.chat_template_kwargs):
+            raise _body_error("prompt", "tools and chat_template_kwargs go with messages")
         return self
 
 

@@ -16,8 +16,12 @@ from transformers import (
     Qwen3Config,
 )
 
-CHATML = (
-    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+CHATML = (  # tools and tool calls as Hermes-style templates write them
+    "{% if tools %}<|im_start|>system\n{% for t in tools %}{{ t['function'] | tojson }}\n"
+    "{% endfor %}<|im_end|>\n{% endif %}"
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}"
+    "{% for c in m['tool_calls'] or [] %}<tool_call>{{ c['function'] | tojson }}</tool_call>"
+    "{% endfor %}<|im_end|>\n"
     "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]

@@ -11,6 +11,9 @@ import pytest
 from tests.support.servers import local_client
 
 ERROR_KEYS = {"message", "type", "param", "code"}
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "The weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -113,7 +116,17 @@ BAD_REQUESTS = [
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": [
         {"type": "image_url", "image_url": {"url": "http://x"}}]}]}, 400, "messages.0.content"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
-                              "tools": [{"type": "function"}]}, 400, "tools"),
+                              "tools": [{"type": "function"}]}, 400, "tools.0.function"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
+                              "tools": [WEATHER]}, 400, "tool_choice"),  # "auto" by default
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
+                              "tools": [WEATHER], "tool_choice": "required"}, 400, "tool_choice"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
+                              "tool_choice": "auto"}, 400, "tool_choice"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
+                              "chat_template_kwargs": {"tokenize": True}}, 400, None),
+    ("/v1/chat/completions", {"messages": [{"role": "assistant", "content": "x",
+                              "audio": {"id": "a"}}]}, 400, "messages.0.audio"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
                               "top_logprobs": 2}, 400, "top_logprobs"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
@@ -142,6 +155,59 @@ def test_neutral_values_of_unimplemented_parameters_pass(http) -> None:
     body = {"prompt": "hi", "max_tokens": 2, "echo": False, "logit_bias": {}, "best_of": 1,
             "suffix": None, "user": "someone"}  # fmt: skip
     assert http.post("/v1/completions", json=body).status_code == 200
+
+
+def test_an_sdk_dump_of_an_earlier_reply_is_taken_back(http) -> None:
+    # What `messages.append(reply.choices[0].message.model_dump())` sends with the openai SDK.
+    reply = {"role": "assistant", "content": "hello", "refusal": None, "tool_calls": None,
+             "audio": None, "annotations": [], "function_call": None}  # fmt: skip
+    body = {"messages": [{"role": "user", "content": "hi"}, reply,
+                         {"role": "user", "content": "again"}],
+            "max_tokens": 2, "stream": True, "stream_options": {"include_usage": None},
+            "store": False, "metadata": {"run": "1"}, "modalities": ["text"]}  # fmt: skip
+    response = http.post("/v1/chat/completions", json=body)
+    assert response.status_code == 200, response.text
+    plain = {"messages": [{"role": "user", "content": "hi"},
+                          {"role": "assistant", "content": "hello"},
+                          {"role": "user", "content": "again"}]}  # fmt: skip
+    assert _chat_tokens(http, body) == _chat_tokens(http, plain)
+
+
+def test_tool_calls_and_tool_turns_reach_the_template(http) -> None:
+    call = {"id": "call_1", "type": "function",
+            "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}  # fmt: skip
+    messages = [
+        {"role": "user", "content": "Weather in Oslo?"},
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "sunny"},
+    ]
+    body = {"messages": messages, "tools": [WEATHER], "tool_choice": "none", "max_tokens": 2}
+    response = http.post("/v1/chat/completions", json=body)
+    assert response.status_code == 200, response.text
+    prompt = http.post("/detokenize", json={"tokens": _chat_tokens(http, body)}).json()["prompt"]
+    assert '{"name": "get_weather", "description": "The weather in a city"' in prompt  # the tool
+    # The call's arguments reach the template as a mapping, as templates expect.
+    assert '<tool_call>{"name": "get_weather", "arguments": {"city": "Oslo"}}</tool_call>' in prompt
+    assert "\ntool\nsunny\n" in prompt  # (special tokens are left out of the text)
+
+
+def test_template_options_reach_the_template(http) -> None:
+    body = {"messages": [{"role": "user", "content": "hi"}], "add_generation_prompt": False}
+    prompt = http.post("/detokenize", json={"tokens": _chat_tokens(http, body)}).json()["prompt"]
+    assert prompt.endswith("user\nhi\n")  # no assistant turn opened
+
+
+def _chat_tokens(http, body: dict) -> list[int]:
+    """The prompt a chat request's body renders to, from /tokenize with the same messages and
+    template options; checked against what the chat route counted."""
+    options = ("tools", "add_generation_prompt", "chat_template_kwargs")
+    asked = {"messages": body["messages"], **{k: body[k] for k in options if k in body}}
+    tokens = http.post("/tokenize", json=asked).json()["tokens"]
+    response = http.post("/v1/chat/completions", json={**body, "max_tokens": 1, "stream": False,
+                                                      "stream_options": None})  # fmt: skip
+    assert response.status_code == 200, response.text
+    assert response.json()["usage"]["prompt_tokens"] == len(tokens)
+    return tokens
 
 
 def test_unknown_route_and_method(http) -> None:
