@@ -118,7 +118,10 @@ def _add_model_flags(g: argparse._ArgumentGroup) -> None:
     g.add_argument("--served-model-name", help="model id clients use (default: folder name)")
     g.add_argument("--dtype", default=engine("dtype"), choices=list(DTYPE_BYTES), help="weights")
     g.add_argument(
-        "--device", default="auto", choices=["auto", "cpu", "cuda"], help="auto: cuda if present"
+        "--device",
+        default="auto",
+        choices=["auto", "cpu", "cuda"],
+        help="auto: cuda if the Ray cluster has GPUs",
     )
     g.add_argument(
         "--block-size", type=int, default=engine("block_size"), help="tokens per KV block"
@@ -460,7 +463,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
     return EngineConfig(
         model=model_folder(args.model),
         dtype=args.dtype,
-        device=_device(args.device),
+        device=args.device,  # "auto" is settled once Ray is up (coordinator.builder)
         block_size=args.block_size,
         kv_cache_memory_bytes=args.kv_cache_memory,
         max_num_seqs=args.max_num_seqs,
@@ -482,11 +485,3 @@ def model_folder(model: Path | None) -> Path:
     if not model.is_dir():
         raise CliError(f"model folder {model} does not exist")
     return model
-
-
-def _device(choice: str) -> str:
-    if choice != "auto":
-        return choice
-    import torch
-
-    return "cuda" if torch.cuda.is_available() else "cpu"

@@ -97,6 +97,22 @@ def _init_ray(address: str | None, num_cpus: int | None) -> None:
         ray.init(address=address, log_to_driver=False)
 
 
+def cluster_device(device: str, address: str | None) -> str:
+    """`device`, with "auto" settled by the workers' machines, not this one: "cuda" when the
+    Ray cluster has GPUs (on `ray up` the head has none, and its workers do). A cluster whose GPU
+    nodes have not joined yet counts none: said in the log, with the flag that waits for them."""
+    if device != "auto":
+        return device
+    if ray.cluster_resources().get("GPU", 0) > 0:
+        return "cuda"
+    if address is not None:
+        log.warning(
+            "--device auto: the Ray cluster has no GPU (yet), so the workers run on CPU; "
+            "pass --device cuda to wait for GPU nodes instead"
+        )
+    return "cpu"
+
+
 def build_client(engine: EngineConfig, deploy: DeployConfig) -> Coordinator:
     """Starts (or joins) Ray, places the workers, returns the Coordinator (await its ready())."""
     model = ModelConfig.from_pretrained(engine.model)
@@ -106,6 +122,7 @@ def build_client(engine: EngineConfig, deploy: DeployConfig) -> Coordinator:
     # worker's waiting requests (past it, both serve the newest first).
     engine = replace(engine, late_after_s=late_after_s)
     connect_ray(deploy.address)
+    engine = replace(engine, device=cluster_device(engine.device, deploy.address))
     spawner = WorkerSpawner(engine, deploy)
     for pool in spawner.pools():  # before any worker starts: a clear error, not a dead actor
         check_splits(model, spawner.tensor_parallel(pool))

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import ray
 
-from coordinator.builder import WorkerSpawner, connect_ray
+from coordinator.builder import WorkerSpawner, cluster_device, connect_ray
 from coordinator.deploy import DeployConfig
 from engine.config import ConfigError, EngineConfig
 from protocol.core_ledger import CoreLedger
@@ -26,6 +26,23 @@ def ray_init(monkeypatch: pytest.MonkeyPatch) -> list[dict]:
     monkeypatch.setattr(ray, "is_initialized", lambda: False)
     monkeypatch.setattr(ray, "init", lambda **kwargs: calls.append(kwargs))
     return calls
+
+
+@pytest.mark.parametrize(
+    "asked,gpus,address,settled",
+    [
+        ("auto", 16.0, "auto", "cuda"),  # `ray up`: a head without GPU, GPU workers
+        ("auto", 0.0, "auto", "cpu"),  # (the log says --device cuda would wait for them)
+        ("auto", 0.0, None, "cpu"),
+        ("cpu", 16.0, "auto", "cpu"),
+        ("cuda", 0.0, "auto", "cuda"),
+    ],
+)
+def test_device_auto_is_settled_by_the_clusters_gpus_not_this_machines(
+    monkeypatch, asked, gpus, address, settled
+) -> None:
+    monkeypatch.setattr(ray, "cluster_resources", lambda: {"CPU": 8.0, "GPU": gpus})
+    assert cluster_device(asked, address) == settled
 
 
 def test_local_cluster_runs_without_auth(ray_init) -> None:
