@@ -369,6 +369,7 @@ class Coordinator:
                 )  # fmt: skip
                 if result is None:  # its decode or prefill worker left meanwhile
                     return
+                answered_at = time.monotonic()
             except RequestFailedError as err:  # this request broke the worker's step: no retry
                 request.fail(RequestFailedError(_brief(err)))
                 return
@@ -388,10 +389,13 @@ class Coordinator:
                 request.accept_first(len(work.output_ids), result.token_id, result.logprobs)
             ):  # a stop string in the first token: the decode worker must stop it too
                 self._stop_on(route.decode_id, work.request_id)
-            if result.computed_at and request.first_token_at is not None:
+            if result.age_s is not None and request.first_token_at is not None:
                 # From the end of its prefill step to its first token leaving for the client
-                # (by this path or, if it was quicker, from the decode worker).
-                self.handover.observe(max(0.0, request.first_token_at - result.computed_at))
+                # (by this path or, if it was quicker, from the decode worker): the answer's
+                # age on the prefill worker's clock, then this process's own (the call's return
+                # trip is not in it). No clock of one host is read against another's.
+                since_answer = request.first_token_at - answered_at
+                self.handover.observe(max(0.0, result.age_s + since_answer))
         await request.ended.wait()
 
     @staticmethod

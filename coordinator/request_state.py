@@ -43,7 +43,7 @@ class TrackedRequest:
         self.failed = False  # ended in an error the client has been given
         self.avoid: set[str] = set()  # workers that failed it: chosen again only as a last resort
         self.corrupt_transfers = 0  # attempts whose KV failed its checksum
-        self.first_token_at: float | None = None  # wall clock this attempt's first token left
+        self.first_token_at: float | None = None  # monotonic: this attempt's first token left
         # (decode worker, channel key) its prefill found broken: the next reservation replaces it
         self.broken_channel: tuple[str, str] | None = None
         self.num_cached_tokens = 0
@@ -135,7 +135,7 @@ class TrackedRequest:
         )
         output, stop_string_hit = self.frontend.apply(update)
         if self.first_token_at is None:
-            self.first_token_at = time.time()
+            self.first_token_at = time.monotonic()
         self.stream.put_nowait(output)
         if self.finished:
             self.ended.set()

@@ -70,7 +70,6 @@ class _Sampled(NamedTuple):
     logprobs: TokenLogprobs | None
     num_cached_tokens: int  # prompt tokens found in this worker's prefix cache
     step_end: float  # monotonic time its step ended
-    computed_at: float  # the same moment on the wall clock (comparable across processes)
     queue_seconds: float | None  # arrival until its KV blocks (its age on arrival included)
 
 
@@ -223,7 +222,6 @@ class PrefillWorker:
                 logprobs,
                 update.num_cached_tokens,
                 time.monotonic(),
-                time.time(),
                 update.queue_seconds,
             )
             self.sender.send_done(pending.legs[0], token, logprobs)  # route 0>0: the token
@@ -301,7 +299,7 @@ class PrefillWorker:
         record, sampled = pending.record or record, pending.sampled
         result = PrefillResult(
             request_id, sampled.token_id, sampled.logprobs, sampled.num_cached_tokens,
-            pending.bytes_sent, sampled.computed_at, sampled.queue_seconds,
+            pending.bytes_sent, time.monotonic() - sampled.step_end, sampled.queue_seconds,
         )  # fmt: skip
         exposed = max(0.0, record.finished - sampled.step_end)
         self.transfers.exposed.observe(exposed)

@@ -68,8 +68,10 @@ class PrefillResult(NamedTuple):
     logprobs: TokenLogprobs | None
     num_cached_tokens: int  # prompt tokens the prefill worker found in its own prefix cache
     bytes_sent: int
-    computed_at: float = 0.0  # wall clock (time.time()) when the step that sampled `token_id`
-    # ended: where the handover to the client starts (tandem:kv_handover_seconds)
+    # Seconds from the end of the step that sampled `token_id` to this answer, on the prefill
+    # worker's own clock (a duration: hosts' clocks differ): where the handover to the client
+    # starts (tandem:kv_handover_seconds)
+    age_s: float | None = None
     # arrival at the coordinator until the prefill worker gave it KV blocks: its queue time (a
     # decode worker that receives the KV reports none)
     queue_seconds: float | None = None

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import time
 from collections import defaultdict
 from collections.abc import AsyncIterator, Callable, Coroutine, Iterator
 from typing import Any
@@ -281,9 +280,9 @@ class FakePrefillActor(_FakeProcess):
             await asyncio.Event().wait()
         self.decodes[ticket.decode_id].kv_arrived(work.request_id)
         token_id = OUTPUT[len(work.output_ids)]
-        computed_at = time.time() - self.handover_seconds  # as if the KV took this long
+        age_s = self.handover_seconds  # as if the KV took this long
         return PrefillResult(
-            work.request_id, token_id, None, 0, ticket.num_bytes, computed_at, self.queue_seconds
+            work.request_id, token_id, None, 0, ticket.num_bytes, age_s, self.queue_seconds
         )
 
     async def abort(self, request_id: str) -> None:

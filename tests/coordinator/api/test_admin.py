@@ -97,7 +97,9 @@ def test_the_handover_of_disaggregated_requests_is_in_metrics(cluster) -> None:
     count = _sample(metrics, "tandem:kv_handover_seconds_count")
     total = _sample(metrics, "tandem:kv_handover_seconds_sum")
     assert count == 3.0  # one per request: its prefill worker's token
-    assert 3 * 0.02 <= total < 3 * 1.0  # the fake prefill step ended 20 ms before its result
+    # The fake prefill step ended 20 ms before its result; its decode worker may send the
+    # first token a little before the result is read, which the handover counts (less).
+    assert 3 * 0.015 <= total < 3 * 1.0
 
 
 def _sample(metrics: str, name: str) -> float:
