@@ -10,6 +10,8 @@ shifts the others into receives of another size (which gloo answers by aborting 
 from __future__ import annotations
 
 import datetime
+import os
+import socket
 
 import torch
 from torch.distributed import PrefixStore, Store, TCPStore
@@ -101,23 +103,54 @@ class TorchDistTransport:
         self.device = device
 
     def connect(self, rendezvous: Endpoint, key: str, timeout: float) -> ProcessGroupChannel:
-        return self._open(dial_store(rendezvous, timeout), key, SENDER, timeout)
+        # This side's gloo address: the one it reaches the decode worker's host from.
+        local = _address_towards(rendezvous.host)
+        return self._open(dial_store(rendezvous, timeout), key, SENDER, timeout, local)
 
     def accept(self, rendezvous: TCPStore, key: str, timeout: float) -> ProcessGroupChannel:
-        return self._open(rendezvous, key, RECEIVER, timeout)
+        # The store is hosted on this worker's own address (Rendezvous): gloo listens there too.
+        return self._open(rendezvous, key, RECEIVER, timeout, rendezvous.host)
 
-    def _open(self, store: Store, key: str, rank: int, timeout: float) -> ProcessGroupChannel:
+    def _open(
+        self, store: Store, key: str, rank: int, timeout: float, local: str
+    ) -> ProcessGroupChannel:
         prefixed = PrefixStore(key, store)
         try:
             if self.name == "nccl":
                 group = _nccl_group(prefixed, rank, timeout)
             else:
-                # The group's own timeout bounds only the connection; each wait passes its own.
-                group = torch.distributed.ProcessGroupGloo(prefixed, rank, 2, _seconds(timeout))
+                group = _gloo_group(prefixed, rank, timeout, local)
         except RuntimeError as err:
             raise TransferError(f"channel {key!r} did not open: {err}") from err
         device = self.device if self.name == "nccl" else torch.device("cpu")
         return ProcessGroupChannel(group, rank, device)
+
+
+def _gloo_group(store: Store, rank: int, timeout: float, local: str):
+    """A two-rank gloo group whose socket listens on `local`, the address the peer can reach.
+    Left to itself gloo takes what this machine's hostname resolves to, which is a loopback
+    address on many hosts (127.0.1.1 on Debian and Ubuntu without DNS): a peer on another
+    host then cannot connect. `GLOO_SOCKET_IFNAME` (torch's variable) names an interface
+    instead. The group's own timeout bounds only the connection; each wait passes its own."""
+    options = torch.distributed.ProcessGroupGloo._Options()
+    options._timeout = _seconds(timeout)
+    interface = os.environ.get("GLOO_SOCKET_IFNAME")
+    create = torch.distributed.ProcessGroupGloo.create_device
+    options._devices = [create(interface=interface) if interface else create(hostname=local)]
+    return torch.distributed.ProcessGroupGloo(store, rank, 2, options)
+
+
+def _address_towards(host: str) -> str:
+    """This machine's address on the route to `host` (no packet is sent: a UDP socket's
+    connect only picks the route)."""
+    try:
+        with socket.socket(
+            socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_DGRAM
+        ) as probe:
+            probe.connect((host, 9))
+            return probe.getsockname()[0]
+    except OSError:
+        return host if host.startswith("127.") else ""
 
 
 def _nccl_group(store: Store, rank: int, timeout: float):

@@ -197,3 +197,67 @@ def _capture(outcome: dict, fn, *args) -> None:
         fn(*args)
     except Exception as err:
         outcome["error"] = err
+
+
+def test_gloo_listens_on_the_address_its_peer_reaches_it_at() -> None:
+    """Between hosts a gloo group must listen on an address the peer can reach: the one this
+    machine routes to the peer from (sender), the rendezvous' own (receiver). Left to itself it
+    takes the hostname's address, a loopback one on many hosts."""
+    from kvtransfer.torch_dist import _address_towards
+
+    routable = _address_towards("10.255.255.254")
+    if not routable or routable.startswith("127.") or ":" in routable:
+        pytest.skip("this machine has no routable IPv4 address")
+    rendezvous = Rendezvous(routable)
+    transports = [transport_named("gloo") for _ in range(2)]
+    opened: list = []
+    accepting = threading.Thread(
+        target=lambda: opened.append(transports[0].accept(rendezvous.client(), "ip#0", 30))
+    )
+    accepting.start()
+    tx = transports[1].connect(rendezvous.endpoint, "ip#0", 30)
+    accepting.join(30)
+    rx = opened[0]
+    try:
+        got = torch.empty(4)
+        pending = rx.recv_async(got)
+        tx.send(torch.arange(4.0), 10)
+        pending.wait(10)
+        assert got.tolist() == [0.0, 1.0, 2.0, 3.0]
+        # gloo's own pair (both ends in this process): a connection between routable
+        # addresses that is not one of the store's.
+        store = rendezvous.endpoint.port
+        pairs = [
+            (local, remote)
+            for local, remote in _established_tcp()
+            if store not in (local[1], remote[1])
+        ]
+        assert (routable, routable) in {(a[0], b[0]) for a, b in pairs}, pairs
+    finally:
+        tx.close()
+        rx.close()
+
+
+def _established_tcp() -> list[tuple[tuple[str, int], tuple[str, int]]]:
+    """This network namespace's established TCP connections, IPv4 (or IPv4-mapped)."""
+    import ipaddress
+    from pathlib import Path
+
+    found = []
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in Path(table).read_text().splitlines()[1:]:
+            fields = line.split()
+            if fields[3] != "01":  # ESTABLISHED
+                continue
+            ends = []
+            for end in fields[1:3]:
+                address, port = end.split(":")
+                raw = bytes.fromhex(address)
+                # The kernel prints each 32-bit word in host (little-endian) order.
+                words = b"".join(raw[i : i + 4][::-1] for i in range(0, len(raw), 4))
+                ip = ipaddress.ip_address(words)
+                if ip.version == 6 and ip.ipv4_mapped is not None:
+                    ip = ip.ipv4_mapped
+                ends.append((str(ip), int(port, 16)))
+            found.append((ends[0], ends[1]))
+    return found
