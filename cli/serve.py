@@ -484,4 +484,5 @@ def model_folder(model: Path | None) -> Path:
         return fetch_default_model(log=lambda line: log.info("%s", line))
     if not model.is_dir():
         raise CliError(f"model folder {model} does not exist")
-    return model
+    # Absolute: workers on other nodes open the same path, from another working directory.
+    return model.resolve()

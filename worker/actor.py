@@ -13,13 +13,15 @@ import gc
 import logging
 import os
 import time
+from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
 import ray
 import torch
 
 from decode.worker import DecodeWorker
-from engine.config import EngineConfig
+from engine.config import ConfigError, EngineConfig
 from engine.engine import LLMEngine
 from kernels.core_share import CorePacer
 from kernels.threads import use_threads
@@ -37,6 +39,24 @@ log = logging.getLogger(__name__)
 
 class RoleError(RuntimeError):
     """A call meant for the other role (it arrived while the worker switched)."""
+
+
+def local_model(folder: Path, host: str) -> Path:
+    """The model folder on this worker's node. The head names it; on another node it must be at
+    the same path (or on a shared filesystem), except the default model, which a node lacking it
+    fetches into its own cache, as the head did."""
+    from engine.fetch import DEFAULT_MODEL_NAME, default_model_dir, fetch_default_model
+
+    if Path(folder).is_dir():
+        return Path(folder)
+    if Path(folder).name == DEFAULT_MODEL_NAME and Path(folder).parent.name == "models":
+        log.info("fetching the default model on %s (the head's copy is not here)", host)
+        return fetch_default_model(log=lambda line: log.info("%s", line))
+    raise ConfigError(
+        f"model folder {folder} is not on node {host}: every node that runs workers needs the "
+        f"model at the same path (or a shared filesystem); default_model_dir here is "
+        f"{default_model_dir()}"
+    )
 
 
 class WorkerActor:
@@ -63,6 +83,7 @@ class WorkerActor:
         self.transfer_timeout = transfer_timeout
         self.verify_kv = verify_kv
         self.host = host or ray.util.get_node_ip_address()
+        config = replace(config, model=local_model(config.model, self.host))
         launch = None
         if config.tensor_parallel_size > 1:
             if placement is None:
