@@ -239,6 +239,13 @@ class WorkerSpawner:
         self.core_share = self._core_share()
         self._next_index: dict[str, int] = {}
         self._groups: dict[str, Any] = {}  # worker id -> its placement group (TP > 1)
+        # Pools whose workers the cluster places by a resource of the pool's name (cluster.yaml:
+        # each GPU node type advertises `prefill` or `decode`). Remembered once seen: when a
+        # pool's last node is gone, its replacement must still ask for one (else it lands on
+        # the other pool's GPUs, or the autoscaler starts the wrong node type).
+        self._pool_resources = {
+            p for p in ("prefill", "decode") if ray.cluster_resources().get(p, 0) > 0
+        }
         self.worker_ranks: dict[str, int] = {}  # worker id -> its tensor-parallel ranks
 
     def tensor_parallel(self, pool: str) -> int:
@@ -429,6 +436,8 @@ class WorkerSpawner:
         if self.engine.device.startswith("cuda"):
             options["num_gpus"] = self.deploy.gpus_per_worker
         if pool is not None and ray.cluster_resources().get(pool, 0) > 0:
+            self._pool_resources.add(pool)
+        if pool in self._pool_resources:
             options["resources"] = {pool: 1}
         return options
 

@@ -139,6 +139,22 @@ def test_each_worker_asks_for_its_share_of_a_gpu(
     assert spawner.kv_transport() == transport
 
 
+def test_a_pool_placed_by_its_resource_keeps_asking_for_it_once_its_nodes_are_gone(
+    monkeypatch,
+) -> None:
+    """cluster.yaml's GPU nodes advertise `prefill` or `decode`: a replacement started after the
+    pool's last node died must still ask for the pool's unit (the autoscaler then starts that
+    node type; without it the worker lands on the other pool's GPUs)."""
+    resources = {"CPU": 400.0, "GPU": 16.0, "prefill": 8.0, "decode": 8.0}
+    monkeypatch.setattr(ray, "cluster_resources", lambda: dict(resources))
+    spawner = WorkerSpawner(EngineConfig(model="unused", device="cuda"), DeployConfig())
+    assert spawner._options("prefill")["resources"] == {"prefill": 1}
+    del resources["prefill"]  # the prefill node died
+    assert spawner._options("prefill")["resources"] == {"prefill": 1}
+    assert spawner._options("decode")["resources"] == {"decode": 1}
+    assert "resources" not in spawner._options("colocated")
+
+
 @pytest.mark.parametrize("share", [0.0, -0.5, 1.5])
 def test_a_gpu_share_outside_zero_to_one_is_refused(share: float) -> None:
     with pytest.raises(ConfigError, match="--gpus-per-worker must be in"):
