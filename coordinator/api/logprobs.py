@@ -50,17 +50,20 @@ def completion_logprobs(
     return CompletionLogprobs(
         tokens=tokens,
         token_logprobs=[e.logprob for e in entries],
-        top_logprobs=[_top_by_text(texts, e) for e in entries],
+        top_logprobs=[_top_by_text(texts, e, tokens[i]) for i, e in enumerate(entries)],
         text_offset=offsets,
     )
 
 
-def _top_by_text(texts: TokenTexts, entry: TokenLogprobs) -> dict[str, float]:
+def _top_by_text(texts: TokenTexts, entry: TokenLogprobs, sampled: str) -> dict[str, float]:
+    """The alternatives and, as the completions API promises (up to logprobs + 1 entries), the
+    sampled token even where it is not among them."""
     # Keyed by text, so two tokens with one text (partial UTF-8 bytes both show as U+FFFD)
     # share an entry: the first, most likely one keeps it.
     top: dict[str, float] = {}
     for token_id, logprob in entry.top:
         top.setdefault(texts(token_id), logprob)
+    top.setdefault(sampled, entry.logprob)
     return top
 
 

@@ -149,6 +149,21 @@ def test_completion_logprobs(api) -> None:
     assert logprobs.text_offset[0] == 0
 
 
+@pytest.mark.parametrize("k", [0, 1])
+def test_completion_top_logprobs_hold_the_sampled_token(api, k) -> None:
+    # Sampled hot, the chosen token is often not the most likely one: the completions API
+    # still lists it (up to logprobs + 1 entries), with its own logprob.
+    hot = {**greedy(), "max_tokens": 24, "temperature": 2.0, "seed": 7}
+    got = api.completions.create(prompt=PROMPT, logprobs=k, **hot).choices[0].logprobs
+    assert len(got.tokens) == 24
+    for token, chosen, top in zip(got.tokens, got.token_logprobs, got.top_logprobs, strict=True):
+        assert token in top
+        if token != "\ufffd":  # (partial UTF-8 tokens share that text: the likeliest keeps it)
+            assert top[token] == pytest.approx(chosen, abs=1e-6)
+        assert len(top) <= k + 1
+    assert any(len(top) == k + 1 for top in got.top_logprobs) or k == 0
+
+
 def test_chat_logprobs(api) -> None:
     got = api.chat.completions.create(messages=MESSAGES, logprobs=True, top_logprobs=2, **greedy())
     content = got.choices[0].logprobs.content
