@@ -64,6 +64,13 @@ def _add_http_flags(g: argparse._ArgumentGroup) -> None:
         "default: $TANDEM_API_KEY, else no key",
     )
     g.add_argument(
+        "--allowed-origins",
+        nargs="*",
+        default=["*"],
+        metavar="ORIGIN",
+        help="browser origins allowed to call the API (CORS); default * (any); none: no CORS",
+    )
+    g.add_argument(
         "--stream-interval",
         type=int,
         default=_deploy("stream_interval"),
@@ -376,6 +383,7 @@ def server_settings(args: argparse.Namespace) -> ServerSettings:
         max_prompts=args.max_prompts,
         max_n=args.max_n,
         max_body_bytes=args.max_body_size,
+        allowed_origins=tuple(args.allowed_origins),
     )
 
 

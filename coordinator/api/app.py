@@ -5,6 +5,7 @@ and metrics. `create_app(client, settings)` is all a server (or a test) needs.
     GET  /ready                  readiness: a one-token generation succeeds (no key needed)
     GET  /metrics                Prometheus text (no key needed)
     GET  /v1/models              the served model
+    GET  /v1/models/{id}         the same, by its name (404 for any other)
     POST /v1/completions         see completions.py
     POST /v1/chat/completions    see chat.py
     POST /tokenize, /detokenize  the served model's tokenizer
@@ -21,6 +22,7 @@ from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException
+from starlette.middleware.cors import CORSMiddleware
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from coordinator.api import admin, chat, completions
@@ -62,6 +64,14 @@ def create_app(client: EngineClient, settings: ServerSettings | None = None) -> 
     app.add_middleware(BodyLimit, max_bytes=ctx.settings.max_body_bytes)
     if ctx.settings.api_key is not None:
         app.add_middleware(ApiKeyCheck, api_key=ctx.settings.api_key)
+    if ctx.settings.allowed_origins:
+        # Outermost (added last): a browser's preflight OPTIONS carries no API key.
+        app.add_middleware(
+            CORSMiddleware,
+            allow_origins=list(ctx.settings.allowed_origins),
+            allow_methods=["*"],
+            allow_headers=["*"],
+        )
     return app
 
 
@@ -149,11 +159,20 @@ async def metrics(request: Request) -> Response:
 
 @router.get("/v1/models")
 async def models(request: Request) -> JSONResponse:
+    return JSONResponse(ModelList(data=[_card(context_of(request))]).model_dump())
+
+
+@router.get("/v1/models/{model_id:path}")
+async def model(model_id: str, request: Request) -> JSONResponse:
     ctx = context_of(request)
-    card = ModelCard(
+    ctx.check_model(model_id)
+    return JSONResponse(_card(ctx).model_dump())
+
+
+def _card(ctx: ServerContext) -> ModelCard:
+    return ModelCard(
         id=ctx.client.model_name, created=ctx.created, max_model_len=ctx.client.max_model_len
     )
-    return JSONResponse(ModelList(data=[card]).model_dump())
 
 
 @router.post("/tokenize")

@@ -17,3 +17,5 @@ class ServerSettings:
     max_n: int = MAX_N  # choices per prompt
     max_body_bytes: int = 8 * 2**20  # request bodies over this get 413
     retry_after_s: int = 1  # the Retry-After sent with a 503 for a full queue
+    # Browser origins allowed to call the API (CORS); "*" any, as vLLM's default; () none.
+    allowed_origins: tuple[str, ...] = ("*",)

@@ -53,3 +53,34 @@ def test_probes_and_metrics_need_no_key(server) -> None:
     assert httpx.get(server.url + "/health").status_code == 200
     assert httpx.get(server.url + "/ready").status_code == 200
     assert httpx.get(server.url + "/metrics").status_code == 200
+
+
+PREFLIGHT = {
+    "Origin": "http://localhost:3000",
+    "Access-Control-Request-Method": "POST",
+    "Access-Control-Request-Headers": "authorization, content-type",
+}
+
+
+def test_a_browsers_preflight_needs_no_key_and_is_allowed(server) -> None:
+    # A web UI on another origin: the browser asks first (OPTIONS, no credentials), then sends
+    # the request with the key; both answers carry the CORS headers (vLLM allows any origin).
+    with httpx.Client(base_url=server.url) as http:
+        preflight = http.options("/v1/chat/completions", headers=PREFLIGHT)
+        assert preflight.status_code == 200
+        assert preflight.headers["access-control-allow-origin"] in ("*", PREFLIGHT["Origin"])
+        assert "POST" in preflight.headers["access-control-allow-methods"]
+        headers = {"Origin": PREFLIGHT["Origin"], "Authorization": f"Bearer {KEY}"}
+        answer = http.post("/v1/completions", json=COMPLETION, headers=headers)
+        assert answer.status_code == 200
+        assert answer.headers["access-control-allow-origin"] == "*"
+        assert http.get("/v1/models/tiny", headers=headers).json()["id"] == "tiny"
+        assert http.get("/v1/models/gpt-4", headers=headers).status_code == 404
+
+
+def test_no_origins_means_no_cors(serve, tiny_llama) -> None:
+    closed = serve(local_client(tiny_llama), ServerSettings(allowed_origins=()))
+    with httpx.Client(base_url=closed.url) as http:
+        assert http.options("/v1/chat/completions", headers=PREFLIGHT).status_code == 405
+        answer = http.get("/v1/models", headers={"Origin": PREFLIGHT["Origin"]})
+        assert "access-control-allow-origin" not in answer.headers

@@ -36,6 +36,7 @@ def greedy() -> dict:
 
 def test_lists_the_model(api) -> None:
     assert [m.id for m in api.models.list().data] == ["tiny"]
+    assert api.models.retrieve("tiny").id == "tiny"
 
 
 def test_completion_matches_offline_generation(api, offline) -> None:
