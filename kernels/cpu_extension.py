@@ -9,11 +9,13 @@ are used instead, with a warning.
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import functools
 import hashlib
 import logging
 import os
+import platform
 import shutil
 import sys
 from pathlib import Path
@@ -45,11 +47,25 @@ CFLAGS = ["-O3", "-march=native", "-fopenmp", "-ffast-math", "-ffp-contract=off"
 def build_name() -> str:
     """Named after the sources' content and the environment: checkouts of the same code in one
     environment share a build, and different code never rebuilds over another's build."""
-    # The environment counts too: another venv compiles against other torch headers.
-    digest = hashlib.sha256(" ".join([*CFLAGS, sys.prefix]).encode())
+    # The environment counts too: another venv compiles against other torch headers, and
+    # another CPU model gets other instructions from -march=native (a home folder shared over
+    # NFS by nodes of two CPU generations must not load one's build on the other: SIGILL).
+    digest = hashlib.sha256(" ".join([*CFLAGS, sys.prefix, cpu_identity()]).encode())
     for source in [*SOURCES, *HEADERS]:
         digest.update(source.read_bytes())
     return f"tandem_cpu_ops_{digest.hexdigest()[:12]}"
+
+
+@functools.cache
+def cpu_identity() -> str:
+    """What -march=native compiles for: the machine type and the CPU's feature flags."""
+    flags = ""
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):  # x86, Arm
+                flags = line.partition(":")[2].strip()
+                break
+    return f"{platform.machine()} {flags}"
 
 
 @functools.cache
