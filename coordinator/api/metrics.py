@@ -90,30 +90,41 @@ class ServerMetrics:
         self, stream: AsyncIterator[RequestOutput], arrival: float
     ) -> AsyncIterator[RequestOutput]:
         """Relays one request's outputs unchanged, observing its timings and tokens.
-        `arrival` is a time.monotonic() reading taken when the HTTP request came in."""
+        `arrival` is a time.monotonic() reading taken when the HTTP request came in. A request
+        that ends unfinished counts as finished for reason "abort" (its client went away) or
+        "error" (it failed), as vLLM counts them."""
         last: float | None = None
         queued = False  # its queue time observed (it may come after the first token, from a
         # prefill worker whose answer the decode worker's first update overtook)
-        async with closing(stream):
-            async for output in stream:
-                now = time.monotonic()
-                num_new = len(output.delta_token_ids)
-                if not queued and output.queue_seconds is not None:
-                    self.queue_time.observe(output.queue_seconds)
-                    queued = True
-                if last is None:
-                    self._first_output(output, now - arrival)
-                    for _ in range(num_new - 1):  # tokens joined to the first came with it
-                        self.itl.observe(0.0)
-                elif num_new:  # a batch of k tokens counts as k gaps of 1/k of the wait
-                    for _ in range(num_new):
-                        self.itl.observe((now - last) / num_new)
-                last = now
-                self.generation_tokens.inc(num_new)
-                if output.finished:
-                    self.e2e.observe(now - arrival)
-                    self.success.labels(self.model, output.finish_reason).inc()
-                yield output
+        unfinished = "abort"
+        try:
+            async with closing(stream):
+                async for output in stream:
+                    now = time.monotonic()
+                    num_new = len(output.delta_token_ids)
+                    if not queued and output.queue_seconds is not None:
+                        self.queue_time.observe(output.queue_seconds)
+                        queued = True
+                    if last is None:
+                        self._first_output(output, now - arrival)
+                        for _ in range(num_new - 1):  # tokens joined to the first came with it
+                            self.itl.observe(0.0)
+                    elif num_new:  # a batch of k tokens counts as k gaps of 1/k of the wait
+                        for _ in range(num_new):
+                            self.itl.observe((now - last) / num_new)
+                    last = now
+                    self.generation_tokens.inc(num_new)
+                    if output.finished:
+                        self.e2e.observe(now - arrival)
+                        self.success.labels(self.model, output.finish_reason).inc()
+                        unfinished = ""
+                    yield output
+        except Exception:
+            unfinished = unfinished and "error"
+            raise
+        finally:
+            if unfinished:
+                self.success.labels(self.model, unfinished).inc()
 
     def _first_output(self, output: RequestOutput, ttft: float) -> None:
         self.ttft.observe(ttft)

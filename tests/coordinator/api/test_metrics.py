@@ -108,3 +108,30 @@ def test_queue_time_counts_once_even_when_it_comes_after_the_first_token() -> No
     text = metrics.render().decode()
     assert 'tandem:request_queue_time_seconds_count{model="tiny"} 1.0' in text
     assert 'tandem:request_queue_time_seconds_sum{model="tiny"} 0.5' in text
+
+
+def test_requests_that_end_unfinished_count_as_abort_or_error() -> None:
+    metrics = ServerMetrics("tiny", list, lambda: 0)
+
+    async def outputs(fail: bool):
+        for _ in range(3):
+            yield RequestOutput("r", [1], [2], delta_token_ids=[2])
+        if fail:
+            raise RuntimeError("the worker died")
+
+    async def client_leaves() -> None:  # the stream is closed after one output
+        stream = metrics.track(outputs(False), 0.0)
+        await anext(stream)
+        await stream.aclose()
+
+    async def worker_fails() -> None:
+        with pytest.raises(RuntimeError):
+            async for _ in metrics.track(outputs(True), 0.0):
+                pass
+
+    asyncio.run(client_leaves())
+    asyncio.run(worker_fails())
+    text = metrics.render().decode()
+    assert 'tandem:request_success_total{finished_reason="abort",model="tiny"} 1.0' in text
+    assert 'tandem:request_success_total{finished_reason="error",model="tiny"} 1.0' in text
+    assert 'finished_reason="length"' not in text
