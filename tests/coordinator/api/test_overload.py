@@ -40,15 +40,20 @@ def is_running(client) -> bool:
     return client.stats()[0].num_running == 1
 
 
-def success_count(url: str) -> float:
+def success_count(url: str, aborted: bool = False) -> float:
+    """Requests counted as finished: for a stop or length reason, or (`aborted`) for abort."""
     text = httpx.get(url + "/metrics").text
     lines = [line for line in text.splitlines() if line.startswith("tandem:request_success_total")]
-    return sum(float(line.rsplit(" ", 1)[1]) for line in lines)
+    return sum(
+        float(line.rsplit(" ", 1)[1]) for line in lines
+        if ('finished_reason="abort"' in line) == aborted
+    )  # fmt: skip
 
 
 def test_stream_disconnect_aborts_and_frees_blocks(one_at_a_time) -> None:
     client, server = one_at_a_time
     finished_before = success_count(server.url)
+    aborted_before = success_count(server.url, aborted=True)
     with httpx.Client(base_url=server.url, timeout=30) as http:
         payload = {**LONG, "stream": True}
         with http.stream("POST", "/v1/completions", json=payload) as response:
@@ -58,6 +63,7 @@ def test_stream_disconnect_aborts_and_frees_blocks(one_at_a_time) -> None:
         # Leaving the block closed the connection in the middle of the stream.
     assert wait_until(lambda: engine_is_idle(client), FREED_WITHIN_S)
     assert success_count(server.url) == finished_before  # aborted, not finished
+    assert success_count(server.url, aborted=True) == aborted_before + 1
 
 
 def test_non_streaming_disconnect_aborts_and_frees_blocks(one_at_a_time) -> None:
@@ -71,9 +77,11 @@ def test_non_streaming_disconnect_aborts_and_frees_blocks(one_at_a_time) -> None
             await asyncio.gather(request, return_exceptions=True)
 
     finished_before = success_count(server.url)
+    aborted_before = success_count(server.url, aborted=True)
     asyncio.run(leave_early())
     assert wait_until(lambda: engine_is_idle(client), FREED_WITHIN_S)
     assert success_count(server.url) == finished_before
+    assert success_count(server.url, aborted=True) == aborted_before + 1
 
 
 def test_full_queue_answers_503_with_retry_after(one_at_a_time) -> None:
