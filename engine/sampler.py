@@ -33,17 +33,17 @@ class SamplerOutput(NamedTuple):
 def sample(logits: torch.Tensor, rows: list[SampleRow]) -> SamplerOutput:
     """logits: [S, vocab] in any float dtype, one row per entry of `rows`."""
     if all(
-        row.params.greedy and not row.params.has_penalties and not row.blocked_ids for row in rows
+        row.params.greedy and not row.params.adjusts_logits and not row.blocked_ids for row in rows
     ):
         # Plain greedy rows (the common batch) need no float32 copy of the logits.
         token_ids = ops.argmax(logits).tolist()
         return SamplerOutput(token_ids, _logprobs(logits, rows, token_ids))
     logits = logits.float()
     raw = logits
-    if any(row.params.has_penalties for row in rows):
+    if any(row.params.adjusts_logits for row in rows):
         logits = logits.clone()
         for i, row in enumerate(rows):
-            if row.params.has_penalties:
+            if row.params.adjusts_logits:
                 apply_penalties(logits[i], row)
     if any(row.blocked_ids for row in rows):
         logits = logits.clone() if logits is raw else logits
@@ -67,7 +67,7 @@ PENALIZED_LIMIT = 1e30
 
 def apply_penalties(logits: torch.Tensor, row: SampleRow) -> None:
     """In place on one row [vocab]: repetition over prompt + output, presence and frequency
-    over the output only."""
+    over the output only, then the logit bias."""
     p = row.params
     if p.repetition_penalty != 1.0:
         seen = torch.tensor(list(row.prompt_ids) + list(row.output_ids), dtype=torch.int64)
@@ -81,6 +81,9 @@ def apply_penalties(logits: torch.Tensor, row: SampleRow) -> None:
         output = torch.tensor(list(row.output_ids), dtype=torch.int64)
         counts = torch.bincount(output, minlength=logits.shape[0]).to(logits.dtype)
         logits -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(logits.dtype)
+    if p.logit_bias:
+        ids, bias = zip(*p.logit_bias, strict=True)
+        logits[list(ids)] += torch.tensor(bias, dtype=logits.dtype, device=logits.device)
 
 
 def _sample_random(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:

@@ -30,6 +30,7 @@ class TokenLogprobs(NamedTuple):
 
 GREEDY_TEMPERATURE = 1e-5
 MAX_STOP_STRINGS = 256
+MAX_LOGIT_BIAS = 1024  # tokens one request may bias (each is a write into its logits per step)
 
 
 @dataclass(frozen=True)
@@ -50,12 +51,16 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     logprobs: int | None = None  # also return this many most likely alternatives per token
     skip_special_tokens: bool = True
+    # (token id, added to its logit before sampling), as OpenAI's logit_bias; sorted by id
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             object.__setattr__(self, "stop", (self.stop,))
         object.__setattr__(self, "stop", tuple(self.stop))
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        bias = self.logit_bias.items() if isinstance(self.logit_bias, dict) else self.logit_bias
+        object.__setattr__(self, "logit_bias", tuple(sorted((int(t), float(b)) for t, b in bias)))
         _check(self.max_tokens >= 1, "max_tokens", "must be at least 1")
         _check(0 <= self.min_tokens <= self.max_tokens, "min_tokens", "must be in [0, max_tokens]")
         # (NaN fails every comparison; infinity would turn the logits into NaN)
@@ -75,6 +80,16 @@ class SamplingParams:
         )
         _check(self.logprobs is None or 0 <= self.logprobs <= 20, "logprobs", "must be in [0, 20]")
         _check(self.seed is None or 0 <= self.seed < 2**64, "seed", "must be in [0, 2**64)")
+        _check(
+            all(-100 <= b <= 100 for _, b in self.logit_bias),  # (NaN fails too)
+            "logit_bias",
+            "values must be in [-100, 100]",
+        )
+        _check(
+            len(self.logit_bias) <= MAX_LOGIT_BIAS,
+            "logit_bias",
+            f"takes at most {MAX_LOGIT_BIAS} tokens",
+        )
 
     @property
     def greedy(self) -> bool:
@@ -83,11 +98,13 @@ class SamplingParams:
         return self.temperature < GREEDY_TEMPERATURE or self.top_k == 1
 
     @property
-    def has_penalties(self) -> bool:
+    def adjusts_logits(self) -> bool:
+        """Penalties or a logit bias change the logits before sampling."""
         return (
             self.repetition_penalty != 1.0
             or self.presence_penalty != 0.0
             or self.frequency_penalty != 0.0
+            or bool(self.logit_bias)
         )
 
     def stop_ids(self, eos_ids: Collection[int]) -> frozenset[int]:
@@ -100,6 +117,8 @@ class SamplingParams:
         """Raises SamplingError when a token id or a count points past the model's vocabulary."""
         bad = [t for t in self.stop_token_ids if not 0 <= t < vocab_size]
         _check(not bad, "stop_token_ids", f"must be in [0, {vocab_size}); got {bad[:3]}")
+        bad = [t for t, _ in self.logit_bias if not 0 <= t < vocab_size]
+        _check(not bad, "logit_bias", f"token ids must be in [0, {vocab_size}); got {bad[:3]}")
 
 
 def _check(ok: bool, name: str, message: str) -> None:

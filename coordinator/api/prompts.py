@@ -81,6 +81,7 @@ def _sampling_fields(request: SamplingRequest) -> dict:
         "presence_penalty": request.presence_penalty,
         "frequency_penalty": request.frequency_penalty,
         "repetition_penalty": request.repetition_penalty,
+        "logit_bias": request.logit_bias,
         "stop": request.stop,
         "stop_token_ids": request.stop_token_ids,
     }

@@ -2,7 +2,7 @@
 
 Unknown parameters are refused (`extra="forbid"`, reported as a 400 naming the parameter), so
 nothing a client asks for is silently ignored. A few OpenAI parameters we do not implement are
-still accepted at their neutral value (`echo: false`, `logit_bias: {}`, `best_of` equal to `n`,
+still accepted at their neutral value (`echo: false`, `suffix: ""`, `best_of` equal to `n`,
 ...), because clients send them with defaults filled in; so are nulls anywhere in a message (an
 SDK's dump of an earlier reply carries `refusal: null`, `tool_calls: null`, ...). Bookkeeping
 fields that ask nothing of generation (`user`, `store`, `metadata`) are accepted and unused.
@@ -20,7 +20,6 @@ from pydantic_core import PydanticCustomError
 NEUTRAL_VALUES: dict[str, tuple[Any, ...]] = {
     "echo": (None, False),
     "suffix": (None, ""),
-    "logit_bias": (None, {}),
     "best_of": (None, 1),
     "parallel_tool_calls": (None, False, True),
     "response_format": (None, {"type": "text"}),
@@ -90,6 +89,7 @@ class SamplingRequest(_Strict):
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     repetition_penalty: float | None = None
+    logit_bias: dict[int, float] | None = None  # token id (a decimal string in JSON) -> bias
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     stream: bool = False

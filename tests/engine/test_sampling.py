@@ -129,6 +129,27 @@ def test_logprobs_are_returned(llm, prompts) -> None:
         assert len(lp.top) == 3 and lp.logprob <= 0
 
 
+def test_logit_bias_forces_or_bans_tokens_and_leaves_batch_neighbours_alone(llm, prompts) -> None:
+    plain = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    first = llm.generate_ids([prompts[0]], plain)[0].token_ids
+    forced = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, logit_bias={7: 100})
+    banned = SamplingParams(
+        max_tokens=6, temperature=0, ignore_eos=True, logit_bias={first[0]: -100}
+    )
+    hot = SamplingParams(max_tokens=6, temperature=1.0, seed=3, ignore_eos=True,
+                         logit_bias={7: 100})  # fmt: skip
+    out = llm.generate_ids([prompts[0]] * 4, [plain, forced, banned, hot])
+    assert out[0].token_ids == first  # its batch neighbours' biases are theirs alone
+    assert out[1].token_ids == [7] * 6
+    assert first[0] not in out[2].token_ids
+    assert out[3].token_ids == [7] * 6  # +100 leaves the rest no probability worth a draw
+
+
+def test_logit_bias_token_ids_are_checked_against_the_vocabulary(llm, prompts) -> None:
+    with pytest.raises(SamplingError, match="logit_bias token ids must be in"):
+        llm.generate_ids([prompts[0]], SamplingParams(logit_bias={10**6: 1.0}))
+
+
 @pytest.mark.parametrize(
     ("options", "name"),
     [
@@ -141,6 +162,9 @@ def test_logprobs_are_returned(llm, prompts) -> None:
         ({"min_p": 2}, "min_p"),
         ({"stop": ("",)}, "stop"),
         ({"min_tokens": 5, "max_tokens": 2}, "min_tokens"),
+        ({"logit_bias": {5: 101}}, "logit_bias"),
+        ({"logit_bias": {5: float("nan")}}, "logit_bias"),
+        ({"logit_bias": dict.fromkeys(range(2000), 1.0)}, "logit_bias"),
     ],
 )
 def test_bad_params_name_the_parameter(options: dict, name: str) -> None:
