@@ -258,11 +258,17 @@ class WorkerSpawner:
         other's threads. None where no worker shares: on GPUs, one worker on every core, with
         --threads-per-worker or --no-lend-cores."""
         cores = os.cpu_count() or 1
+        # This machine's cores say nothing of another node's: on a cluster joined with
+        # --address, workers always pace by a ledger on their own node (each counts that node's
+        # cores, kernels/core_share.py), alone on it or not.
+        alone = self.deploy.address is None and all(
+            self.threads[pool] >= cores for pool in self.pools()
+        )
         if (
             self.engine.device.startswith("cuda")
             or not self.deploy.lend_cores
             or self.deploy.threads_per_worker
-            or all(self.threads[pool] >= cores for pool in self.pools())
+            or alone
         ):
             return None
         sweep()  # ledgers that servers killed with SIGKILL left behind

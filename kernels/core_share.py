@@ -4,9 +4,10 @@
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 from kernels.threads import use_threads
-from protocol.core_ledger import CoreLedger
+from protocol.core_ledger import CoreLedger, sweep
 
 
 class CorePacer:
@@ -18,6 +19,7 @@ class CorePacer:
     never fewer than one."""
 
     def __init__(self, path: str | os.PathLike, cores: int | None = None) -> None:
+        sweep(keep=Path(path))  # this host's ledgers left by deployments long gone
         self.ledger = CoreLedger(path)
         self.cores = cores or host_cores()
         self._pid = os.getpid()

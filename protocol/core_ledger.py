@@ -22,6 +22,7 @@ import fcntl
 import mmap
 import os
 import tempfile
+import time
 import uuid
 from pathlib import Path
 
@@ -40,17 +41,34 @@ def new_ledger() -> Path:
     return ledger_dir() / f"{PREFIX}{os.getpid()}-{uuid.uuid4().hex[:8]}"
 
 
-def sweep() -> list[Path]:
-    """Removes ledgers whose creating process has died (a server killed with SIGKILL leaves
-    its ledger behind); returns them."""
+STALE_AFTER_S = 60.0  # a ledger younger than this may be waiting for its first worker's claim
+
+
+def sweep(keep: Path | None = None) -> list[Path]:
+    """Removes this host's ledgers that nobody uses any more (a server or worker killed with
+    SIGKILL leaves its ledger behind); returns them. Run by the serving process and by each
+    worker as it starts, on its own host: a ledger is named after the serving process, whose
+    pid means nothing on another host, so what counts is who holds its slots here. One goes
+    when no live process of this host holds a slot, its creator is not alive here, and it is
+    older than STALE_AFTER_S. `keep`: a ledger about to be used, never removed."""
     removed = []
     for path in ledger_dir().glob(f"{PREFIX}*"):
         pid = path.name[len(PREFIX) :].split("-")[0]
-        if pid.isdigit() and not _alive(int(pid)):
-            with contextlib.suppress(FileNotFoundError, PermissionError):  # gone, or not ours
-                path.unlink()
-                removed.append(path)
+        if path == keep or not pid.isdigit() or _alive(int(pid)):
+            continue
+        with contextlib.suppress(FileNotFoundError, PermissionError, ValueError, OSError):
+            if time.time() - path.stat().st_mtime < STALE_AFTER_S or _held(path):
+                continue
+            path.unlink()  # (gone already, or not ours: suppressed)
+            removed.append(path)
     return removed
+
+
+def _held(path: Path) -> bool:
+    """Some live process of this host holds a slot of the ledger at `path`."""
+    data = path.read_bytes()[: SLOTS * 8]
+    slots = memoryview(data.ljust(SLOTS * 8, b"\0")).cast("q")
+    return any(held and _alive(abs(held)) for held in slots.tolist())
 
 
 class CoreLedger:

@@ -99,6 +99,9 @@ def test_torch_threads_per_pool(monkeypatch, cores, deploy, expected) -> None:
         ("cpu", DeployConfig(num_prefill=1, num_decode=2), True),  # one thread each
         ("cpu", DeployConfig(mode="colocated", num_prefill=0, num_decode=1), False),  # all cores
         ("cpu", DeployConfig(mode="colocated", num_prefill=0, num_decode=2), True),
+        # On a cluster joined with --address each node's workers pace by that node's cores:
+        # this machine's count says nothing of theirs.
+        ("cpu", DeployConfig(mode="colocated", num_prefill=0, num_decode=1, address="auto"), True),
         ("cuda", DeployConfig(num_prefill=1, num_decode=1), False),
     ],
 )  # fmt: skip

@@ -14,7 +14,15 @@ import torch
 
 from engine.engine_thread import EngineThread
 from kernels.core_share import CorePacer
-from protocol.core_ledger import PREFIX, SLOTS, CoreLedger, ledger_dir, new_ledger, sweep
+from protocol.core_ledger import (
+    PREFIX,
+    SLOTS,
+    STALE_AFTER_S,
+    CoreLedger,
+    ledger_dir,
+    new_ledger,
+    sweep,
+)
 
 
 @pytest.fixture
@@ -109,18 +117,32 @@ def test_a_mark_in_one_process_is_seen_in_another(tmp_path) -> None:
     assert ledger.busy() == 0
 
 
-def test_sweep_removes_only_ledgers_whose_creator_died() -> None:
+def test_sweep_removes_only_ledgers_nobody_here_uses() -> None:
+    """A ledger is named after the serving process, whose pid means nothing on a worker's host:
+    what keeps one is a live holder on this host (or its creator, alive here), and youth (its
+    first worker may not have claimed a slot yet)."""
     done = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], check=True,
                           capture_output=True, text=True)  # fmt: skip
-    dead = ledger_dir() / f"{PREFIX}{int(done.stdout)}-deadbeef"
-    mine = new_ledger()
+    gone = int(done.stdout)  # a pid no process of this host has now: a foreign or dead creator
+    dead = ledger_dir() / f"{PREFIX}{gone}-deadbeef"  # old, no live holder
+    held = ledger_dir() / f"{PREFIX}{gone}-0ccupied"  # old, this process holds a slot
+    young = ledger_dir() / f"{PREFIX}{gone}-y0ung000"  # just made, nobody in it yet
+    mine = new_ledger()  # its creator (this process) is alive
+    paths = (dead, held, young, mine)
     try:
-        for path in (dead, mine):
+        for path in paths:
             CoreLedger(path)
-        assert dead in sweep()
-        assert not dead.exists() and mine.exists()
+        CoreLedger(held).mark(os.getpid(), False)
+        long_ago = time.time() - 10 * STALE_AFTER_S
+        for path in (dead, held, mine):
+            os.utime(path, (long_ago, long_ago))
+        removed = sweep()  # (other stale ledgers of this machine may go too)
+        assert dead in removed and not {held, young, mine} & set(removed)
+        assert [p.exists() for p in paths] == [False, True, True, True]
+        os.utime(young, (long_ago, long_ago))
+        assert young not in sweep(keep=young) and young.exists()
     finally:
-        for path in (dead, mine):
+        for path in paths:
             path.unlink(missing_ok=True)
 
 
