@@ -60,6 +60,7 @@ def bench_args(args: argparse.Namespace, url: str, tokenizer: Path, saved: Path)
         "--mixed-long-fraction", str(args.long_fraction),
         "--random-output-len", str(args.output_len), "--num-prompts", str(args.num_prompts),
         "--request-rate", str(args.request_rate), "--seed", str(args.seed), "--ignore-eos",
+        "--temperature", "0",
         "--goodput", f"ttft:{args.slo_ttft_ms:g}", f"tpot:{args.slo_tpot_ms:g}",
         "--disable-tqdm", "--result-path", str(saved), "--label", saved.stem,
     ]  # fmt: skip

@@ -61,7 +61,7 @@ def bench_args(url: str, model: Path, args: argparse.Namespace, out: Path) -> li
         "--prefix-repetition-suffix-len", str(args.suffix_len),
         "--prefix-repetition-output-len", str(args.output_len),
         "--num-prompts", str(args.num_prompts), "--max-concurrency", str(args.concurrency),
-        "--ignore-eos", "--seed", str(args.seed), "--disable-tqdm",
+        "--ignore-eos", "--temperature", "0", "--seed", str(args.seed), "--disable-tqdm",
         "--save-result", "--result-dir", str(out.parent), "--result-filename", out.name,
     ]  # fmt: skip
 

@@ -100,7 +100,8 @@ TARGETS = {"ttft_p50": 10, "ttft_p99": 15, "itl_p50": 5, "itl_p99": 10}  # % err
 def bench(url: str, model: Path, flags: list[str], out: Path, extra: list[str]) -> dict:
     command = [
         sys.executable, "-m", "cli.main", "bench", "--base-url", url, "--model", model.name,
-        "--tokenizer", str(model), *flags, *extra, "--ignore-eos", "--disable-tqdm",
+        "--tokenizer", str(model), *flags, *extra, "--ignore-eos", "--temperature", "0",
+        "--disable-tqdm",
         "--save-result", "--result-dir", str(out.parent), "--result-filename", out.name,
     ]  # fmt: skip
     with open(out.with_suffix(".txt"), "w") as report:

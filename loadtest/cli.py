@@ -140,7 +140,8 @@ def _sampling_config(args: argparse.Namespace) -> SamplingConfig:
         temperature=args.temperature,
         top_p=args.top_p,
         top_k=args.top_k,
-        ignore_eos=args.ignore_eos,
+        # As vllm bench serve: random prompts run to the requested length.
+        ignore_eos=args.ignore_eos or args.dataset_name == "random",
         min_p=args.min_p,
         frequency_penalty=args.frequency_penalty,
         presence_penalty=args.presence_penalty,

@@ -136,7 +136,11 @@ def _add_load_flags(g: argparse._ArgumentGroup) -> None:
     g.add_argument("--num-warmups", type=int, default=0, help="unmeasured requests first")
     g.add_argument("--max-duration", type=float, metavar="S", help="end the run after S seconds")
     g.add_argument("--ignore-eos", action="store_true", help="generate all max_tokens")
-    g.add_argument("--temperature", type=float, default=0.0, help="sampling temperature")
+    g.add_argument(
+        "--temperature",
+        type=float,
+        help="sampling temperature; default: not sent (the server's default), as vLLM's",
+    )
     for flag, kind in (
         ("--top-p", float),
         ("--top-k", int),

@@ -31,7 +31,7 @@ MAX_LINE_BYTES = 1 << 20  # one SSE line (a chunk with many logprobs can be long
 class RequestResult:
     """One request as the client saw it. Times in seconds on the perf_counter clock."""
 
-    prompt_len: int
+    prompt_len: int  # the server's usage (as vLLM counts: chat template included), else ours
     sent_at: float
     ttft: float | None  # send -> first chunk carrying generated text
     itl: tuple[float, ...]  # gaps between consecutive chunks carrying generated text
@@ -134,6 +134,7 @@ class TextTiming:
     itl: list[float] = field(default_factory=list)
     pieces: list[str] = field(default_factory=list)
     output_tokens: int | None = None
+    prompt_tokens: int | None = None  # as the server's usage counts them
 
     def on_text(self, text: str, now: float) -> None:
         if self.last_at is None:
@@ -147,7 +148,7 @@ class TextTiming:
         if error is None and self.ttft is None:
             error = "the stream carried no generated text"
         return RequestResult(
-            prompt_len=prompt_len,
+            prompt_len=prompt_len if self.prompt_tokens is None else self.prompt_tokens,
             sent_at=self.sent_at,
             ttft=self.ttft,
             itl=tuple(self.itl),
@@ -171,6 +172,8 @@ class _Stream(TextTiming):
         self.done = event.done
         if event.completion_tokens is not None:
             self.output_tokens = event.completion_tokens
+        if event.prompt_tokens is not None:
+            self.prompt_tokens = event.prompt_tokens
         if event.text:
             self.on_text(event.text, now)
         return event.error

@@ -74,7 +74,7 @@ def _backend_mismatch(backend: Backend, endpoint: str) -> str:
 class SamplingConfig:
     """Sampling fields sent with every request; None leaves a field to the server's default."""
 
-    temperature: float | None = 0.0
+    temperature: float | None = None
     top_p: float | None = None
     top_k: int | None = None
     ignore_eos: bool = False

@@ -52,10 +52,15 @@ def _summary_rows(record: Mapping[str, Any]) -> list[tuple[str, object]]:
     ]
     if record.get("request_goodput") is not None:
         rows.append(("Request goodput (req/s):", record["request_goodput"]))
-    rows += [
-        ("Output token throughput (tok/s):", record["output_throughput"]),
-        ("Total token throughput (tok/s):", record["total_token_throughput"]),
-    ]
+    rows.append(("Output token throughput (tok/s):", record["output_throughput"]))
+    # (as vLLM prints them; a simulated or older record may lack them)
+    for key, label in (
+        ("max_output_tokens_per_s", "Peak output token throughput (tok/s):"),
+        ("max_concurrent_requests", "Peak concurrent requests:"),
+    ):
+        if key in record:
+            rows.append((label, record[key]))
+    rows.append(("Total token throughput (tok/s):", record["total_token_throughput"]))
     return rows
 
 

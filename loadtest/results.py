@@ -60,6 +60,7 @@ def result_record(
         total_token_throughput=metrics.total_token_throughput,
         max_output_tokens_per_s=metrics.max_output_tokens_per_s,
         max_concurrent_requests=metrics.max_concurrent_requests,
+        peak_concurrent_requests=metrics.peak_concurrent_requests,
     )
     for name in METRICS:
         record.update(_distribution_keys(name, getattr(metrics, name)))

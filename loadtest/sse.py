@@ -14,6 +14,7 @@ DONE = "[DONE]"
 class StreamEvent(NamedTuple):
     text: str  # generated text carried by this chunk; "" for role-only, usage or final chunks
     completion_tokens: int | None  # from a `usage` object, when the chunk has one
+    prompt_tokens: int | None  # the same
     error: str | None  # the server reported an error inside the stream
     done: bool  # the `data: [DONE]` terminator
 
@@ -24,16 +25,23 @@ def parse_sse_line(line: str) -> StreamEvent | None:
         return None
     data = line[len("data:") :].strip()
     if data == DONE:
-        return StreamEvent("", None, None, True)
+        return StreamEvent("", None, None, None, True)
     try:
         chunk = json.loads(data)
     except json.JSONDecodeError:
-        return StreamEvent("", None, f"invalid JSON in the stream: {one_line(data, 80)}", False)
+        return StreamEvent(
+            "", None, None, f"invalid JSON in the stream: {one_line(data, 80)}", False
+        )
     if not isinstance(chunk, dict):
-        return StreamEvent("", None, f"unexpected chunk in the stream: {one_line(data, 80)}", False)
+        return StreamEvent(
+            "", None, None, f"unexpected chunk in the stream: {one_line(data, 80)}", False
+        )
     if "error" in chunk or chunk.get("object") == "error":
-        return StreamEvent("", None, f"error in the stream: {_error_text(chunk)}", False)
-    return StreamEvent(_choice_text(chunk), _completion_tokens(chunk), None, False)
+        return StreamEvent("", None, None, f"error in the stream: {_error_text(chunk)}", False)
+    return StreamEvent(
+        _choice_text(chunk), _usage(chunk, "completion_tokens"), _usage(chunk, "prompt_tokens"),
+        None, False,
+    )  # fmt: skip
 
 
 def _choice_text(chunk: dict) -> str:
@@ -49,10 +57,10 @@ def _choice_text(chunk: dict) -> str:
     return text if isinstance(text, str) else ""
 
 
-def _completion_tokens(chunk: dict) -> int | None:
+def _usage(chunk: dict, field: str) -> int | None:
     usage = chunk.get("usage")
-    if isinstance(usage, dict) and isinstance(usage.get("completion_tokens"), int):
-        return usage["completion_tokens"]
+    if isinstance(usage, dict) and isinstance(usage.get(field), int):
+        return usage[field]
     return None
 
 

@@ -46,10 +46,13 @@ def test_infinite_rate_sends_everything_at_once() -> None:
     assert np.array_equal(send_offsets(5, math.inf, 1.0, seed=0), np.zeros(5))
 
 
-def test_offsets_start_at_zero_and_accumulate_the_gaps() -> None:
+def test_offsets_accumulate_the_gaps_scaled_to_end_at_count_over_rate() -> None:
+    # As vllm bench serve schedules them: the first after a gap, the last at count / rate.
     offsets = send_offsets(6, 2.0, 1.0, seed=0)
-    assert offsets[0] == 0.0
-    assert np.allclose(np.diff(offsets), arrival_gaps(5, 2.0, 1.0, seed=0))
+    gaps = arrival_gaps(6, 2.0, 1.0, seed=0)
+    assert offsets[-1] == pytest.approx(3.0)
+    assert np.allclose(offsets, np.cumsum(gaps) * 3.0 / gaps.sum())
+    assert offsets[0] > 0 and np.all(np.diff(offsets) >= 0)
 
 
 @pytest.mark.parametrize(("rate", "burstiness"), [(0.0, 1.0), (-1.0, 1.0), (1.0, 0.0)])
@@ -61,7 +64,7 @@ def test_rejects_non_positive_parameters(rate: float, burstiness: float) -> None
 def test_infinite_burstiness_spaces_requests_evenly() -> None:
     # (as vllm bench serve reads it; a gamma of infinite shape gave NaN gaps, and a runner
     # that waits only for positive delays then sent everything at once)
-    assert send_offsets(5, 10.0, math.inf, 0) == pytest.approx([0.0, 0.1, 0.2, 0.3, 0.4])
+    assert send_offsets(5, 10.0, math.inf, 0) == pytest.approx([0.1, 0.2, 0.3, 0.4, 0.5])
 
 
 def test_bad_seeds_sweeps_and_slos_are_one_line_errors() -> None:

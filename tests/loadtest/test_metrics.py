@@ -111,14 +111,18 @@ def test_percentile_keys_follow_vllm_spelling() -> None:
 
 
 def test_peaks_as_vllm_counts_them() -> None:
-    # A, B and C above: every chunk lands in the first second; at most two are in flight (A
-    # until 0.15 s, B over [0.1, 0.35), C over [0.2, 0.5)).
+    # A, B and C above: every chunk lands in the first second, all three are active within it
+    # (vLLM's count), and at most two are in flight at once (A until 0.15 s, B over
+    # [0.1, 0.35), C over [0.2, 0.5)).
     m = compute_metrics(RESULTS, duration_s=2.0, percentiles=PERCENTILES, slo=None)
-    assert (m.max_output_tokens_per_s, m.max_concurrent_requests) == (6.0, 2)
+    assert (m.max_output_tokens_per_s, m.max_concurrent_requests) == (6.0, 3)
+    assert m.peak_concurrent_requests == 2
 
 
 def test_peaks_with_touching_requests_and_two_seconds() -> None:
     # [0, 0.5) then [0.5, 1.0): one at a time; their chunks at 0.5 s and 1.0 s: one per second.
+    # vLLM's count sees both in second 0 (and the second ends in second 1).
     back_to_back = [ok(0.0, 0.5, (), 1), ok(0.5, 0.5, (), 1)]
     m = compute_metrics(back_to_back, duration_s=1.0, percentiles=PERCENTILES, slo=None)
-    assert (m.max_output_tokens_per_s, m.max_concurrent_requests) == (1.0, 1)
+    assert (m.max_output_tokens_per_s, m.max_concurrent_requests) == (1.0, 2)
+    assert m.peak_concurrent_requests == 1

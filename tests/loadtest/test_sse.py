@@ -13,22 +13,23 @@ def data(chunk: object) -> str:
 
 def test_completion_text() -> None:
     event = parse_sse_line(data({"choices": [{"index": 0, "text": "Hello"}]}))
-    assert event == StreamEvent("Hello", None, None, False)
+    assert event == StreamEvent("Hello", None, None, None, False)
 
 
 def test_chat_delta_content_and_role_only_chunk() -> None:
     assert parse_sse_line(data({"choices": [{"delta": {"content": "Hi"}}]})).text == "Hi"
     role_only = parse_sse_line(data({"choices": [{"delta": {"role": "assistant"}}]}))
-    assert role_only == StreamEvent("", None, None, False)
+    assert role_only == StreamEvent("", None, None, None, False)
 
 
-def test_usage_chunk_carries_the_completion_tokens() -> None:
-    event = parse_sse_line(data({"choices": [], "usage": {"completion_tokens": 17}}))
-    assert event == StreamEvent("", 17, None, False)
+def test_usage_chunk_carries_the_token_counts() -> None:
+    usage = {"completion_tokens": 17, "prompt_tokens": 158}
+    event = parse_sse_line(data({"choices": [], "usage": usage}))
+    assert event == StreamEvent("", 17, 158, None, False)
 
 
 def test_done_and_ignored_lines() -> None:
-    assert parse_sse_line("data: [DONE]") == StreamEvent("", None, None, True)
+    assert parse_sse_line("data: [DONE]") == StreamEvent("", None, None, None, True)
     assert parse_sse_line("") is None
     assert parse_sse_line(": keep-alive") is None
     assert parse_sse_line("event: message") is None

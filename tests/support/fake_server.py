@@ -33,6 +33,9 @@ class Script:
     itl_s: float = 0.03
     model: str = "fake-model"
     include_usage: bool = True
+    # usage.prompt_tokens: the prompt's words plus this many (a chat template's tokens, say);
+    # None leaves it out, so the client counts the prompt itself
+    template_tokens: int | None = None
     serve_tokenize: bool = True
     capacity: int | None = None  # requests generating at once; the others queue
     failure: Failure | None = None
@@ -136,11 +139,10 @@ class FakeServer:
         await _send_event(writer, _token_chunk("", chat, "length"))
         wants_usage = (payload.get("stream_options") or {}).get("include_usage")
         if self.script.include_usage and wants_usage:
-            usage = {
-                "prompt_tokens": 0,
-                "completion_tokens": num_tokens,
-                "total_tokens": num_tokens,
-            }
+            usage = {"completion_tokens": num_tokens, "total_tokens": num_tokens}
+            if self.script.template_tokens is not None:
+                prompt = payload["messages"][0]["content"] if chat else payload["prompt"]
+                usage["prompt_tokens"] = len(prompt.split()) + self.script.template_tokens
             await _send_event(writer, {"choices": [], "usage": usage})
         await _send_chunk(writer, b"data: [DONE]\n\n")
         await _send_chunk(writer, b"")
