@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 from cli.defaults import default_of
 from cli.errors import CliError
-from coordinator.api.settings import ServerSettings
+from coordinator.api.settings import TOOL_CALL_PARSERS, ServerSettings
 from coordinator.deploy import MODES, PLANNER_MODES, ROUTING_POLICIES, DeployConfig
 from engine.config import EngineConfig
 from kvtransfer.names import TRANSPORT_NAMES
@@ -62,6 +62,16 @@ def _add_http_flags(g: argparse._ArgumentGroup) -> None:
         default=os.environ.get("TANDEM_API_KEY"),
         help="require 'Authorization: Bearer KEY' (except /health, /ready, /metrics); "
         "default: $TANDEM_API_KEY, else no key",
+    )
+    g.add_argument(
+        "--enable-auto-tool-choice",
+        action="store_true",
+        help='let chat requests with tools use tool_choice "auto" (needs --tool-call-parser)',
+    )
+    g.add_argument(
+        "--tool-call-parser",
+        choices=TOOL_CALL_PARSERS,
+        help="how the model writes tool calls: hermes, <tool_call>{json}</tool_call> (Qwen2.5+)",
     )
     g.add_argument(
         "--allowed-origins",
@@ -377,6 +387,8 @@ def server_settings(args: argparse.Namespace) -> ServerSettings:
             raise CliError(f"--{flag.replace('_', '-')} must be a finite number > 0")
     if not 0 <= args.shutdown_grace < math.inf:
         raise CliError("--shutdown-grace must be a finite number >= 0")
+    if args.enable_auto_tool_choice and args.tool_call_parser is None:
+        raise CliError("--enable-auto-tool-choice needs --tool-call-parser (hermes)")
     return ServerSettings(
         api_key=args.api_key,
         max_queue=args.max_queue,
@@ -384,6 +396,7 @@ def server_settings(args: argparse.Namespace) -> ServerSettings:
         max_n=args.max_n,
         max_body_bytes=args.max_body_size,
         allowed_origins=tuple(args.allowed_origins),
+        tool_call_parser=args.tool_call_parser if args.enable_auto_tool_choice else None,
     )
 
 

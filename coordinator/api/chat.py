@@ -9,6 +9,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
 from coordinator.api.context import ServerContext, context_of
+from coordinator.api.errors import invalid
 from coordinator.api.generation import Job, Outputs, complete_job, job_usage, plan_job, stream_job
 from coordinator.api.logprobs import all_logprobs, chat_logprobs, new_logprobs
 from coordinator.api.prompts import build_params, chat_prompt
@@ -21,9 +22,14 @@ from coordinator.api.responses import (
     ChatCompletionChunk,
     ChatLogprobs,
     Delta,
+    DeltaToolCall,
+    FunctionOut,
+    ToolCallOut,
+    ToolCallsDelta,
     Usage,
 )
 from coordinator.api.sse import TextFrames
+from coordinator.api.tool_calls import HermesParser, ParsedCall, split_reply
 from engine.outputs import RequestOutput
 
 router = APIRouter()
@@ -34,6 +40,13 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
     arrival = time.monotonic()
     ctx = context_of(request)
     ctx.check_model(body.model)
+    if body.effective_tool_choice == "auto" and ctx.settings.tool_call_parser is None:
+        raise invalid(
+            'tool_choice "auto" (the default with tools) needs a server started with '
+            '--enable-auto-tool-choice --tool-call-parser hermes; or send tool_choice "none" '
+            "(the tools still reach the model through its chat template)",
+            param="tool_choice",
+        )
     prompt = chat_prompt(ctx.client.tokenizer, body.messages, **body.template_options())
     names = {
         "prompt": "messages",
@@ -64,13 +77,28 @@ def _choice(
     ctx: ServerContext, body: ChatCompletionRequest, index: int, out: RequestOutput
 ) -> ChatChoice:
     logprobs = chat_logprobs(ctx.token_texts, *all_logprobs(out)) if body.logprobs else None
+    content: str | None = out.text
+    calls: list[ParsedCall] = []
+    if _parses_tools(ctx, body):
+        content, calls = split_reply(out.text)
     return ChatChoice(
         index=index,
-        message=AssistantMessage(content=out.text),
+        message=AssistantMessage(
+            content=content if content or not calls else None,
+            tool_calls=[_call_out(call) for call in calls],
+        ),
         logprobs=logprobs,
-        finish_reason=out.finish_reason,
+        finish_reason="tool_calls" if calls else out.finish_reason,
         stop_reason=out.stop_reason,
     )
+
+
+def _parses_tools(ctx: ServerContext, body: ChatCompletionRequest) -> bool:
+    return body.effective_tool_choice == "auto" and ctx.settings.tool_call_parser is not None
+
+
+def _call_out(call: ParsedCall) -> ToolCallOut:
+    return ToolCallOut(id=call.id, function=FunctionOut(name=call.name, arguments=call.arguments))
 
 
 async def _chunks(
@@ -90,21 +118,60 @@ async def _chunks(
 
     latest: dict[int, RequestOutput] = {}
     plain = TextFrames(text_chunk)  # chunks of text alone, framed fast
+    # Each choice's tool-call parser, when the reply may hold calls: text goes on as it comes,
+    # a call once its closing tag has come (coordinator/api/tool_calls.py).
+    parsers = {c.index: HermesParser() for c in job.choices} if _parses_tools(ctx, body) else {}
     async for index, out in outputs:
         latest[index] = out
+        text, calls = out.delta_text, []
+        parser = parsers.get(index)
+        if parser is not None:
+            text, calls = parser.feed(text)
+            if out.finished:
+                tail, last = parser.finish()
+                text, calls = text + tail, calls + last
         logprobs: ChatLogprobs | None = None
         if body.logprobs and out.delta_token_ids:
             logprobs = chat_logprobs(ctx.token_texts, *new_logprobs(out))
-        if not (out.delta_text or out.finished or logprobs):
-            continue  # text held back (a stop string may be starting): nothing to say yet
+        if calls:
+            first = len(parser.calls) - len(calls) if parser is not None else 0
+            if text or logprobs:
+                yield chunk(
+                    [ChatChunkChoice(index=index, delta=Delta(content=text), logprobs=logprobs)]
+                )
+                text, logprobs = "", None
+            delta = ToolCallsDelta(
+                tool_calls=[
+                    DeltaToolCall(index=first + k, **_call_out(call).model_dump())
+                    for k, call in enumerate(calls)
+                ]
+            )
+            finish = "tool_calls" if out.finished else None
+            yield chunk(
+                [
+                    ChatChunkChoice(
+                        index=index,
+                        delta=delta,
+                        finish_reason=finish,
+                        stop_reason=out.stop_reason if out.finished else None,
+                    )
+                ]
+            )
+            if out.finished:
+                continue
+        if not (text or out.finished or logprobs):
+            continue  # text held back (a stop string or a tool call may be starting)
         if logprobs is None and not out.finished:  # the common chunk: text alone
-            yield plain.frame(index, out.delta_text)
+            yield plain.frame(index, text)
             continue
+        finish_reason = out.finish_reason
+        if out.finished and parser is not None and parser.calls:
+            finish_reason = "tool_calls"
         choice = ChatChunkChoice(
             index=index,
-            delta=Delta(content=out.delta_text),
+            delta=Delta(content=text),
             logprobs=logprobs,
-            finish_reason=out.finish_reason,
+            finish_reason=finish_reason,
             stop_reason=out.stop_reason,
         )
         yield chunk([choice])

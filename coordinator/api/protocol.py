@@ -269,26 +269,30 @@ class ChatCompletionRequest(TemplateOptions, SamplingRequest):
     max_completion_tokens: int | None = None  # OpenAI's newer name for max_tokens
     logprobs: bool = False
     top_logprobs: int | None = None
-    # Calls in the output are not parsed out (the reply is text), so only tool_choice "none"
-    # may go with tools, as in a vLLM server started without a tool-call parser.
+    # "auto" (the default with tools) needs the server's tool-call parser (chat.py checks);
+    # "required" and a named function would need constrained decoding, which tandem lacks.
     tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
 
     @model_validator(mode="after")
     def _logprob_flags(self) -> ChatCompletionRequest:
         if self.top_logprobs is not None and not self.logprobs:
             raise _body_error("top_logprobs", "top_logprobs needs logprobs set to true")
-        choice = self.tool_choice or ("auto" if self.tools else "none")
-        if choice != "none":
+        if self.effective_tool_choice not in ("none", "auto"):
             raise _body_error(
                 "tool_choice",
-                f"tool_choice {choice!r} needs tool calls parsed from the model's output, "
-                'which tandem does not do: send tool_choice "none" (the tools are still '
-                "shown to the model through its chat template)",
+                f"tool_choice {self.effective_tool_choice!r} needs constrained decoding, which "
+                'tandem does not do: send "auto" (to a server started with '
+                '--enable-auto-tool-choice) or "none"',
             )
         both = self.max_tokens is not None and self.max_completion_tokens is not None
         if both and self.max_tokens != self.max_completion_tokens:
             raise _body_error("max_tokens", "max_tokens and max_completion_tokens differ")
         return self
+
+    @property
+    def effective_tool_choice(self) -> str | dict[str, Any]:
+        """OpenAI's default: "auto" when tools are given, else "none"."""
+        return self.tool_choice or ("auto" if self.tools else "none")
 
     @property
     def requested_max_tokens(self) -> int | None:

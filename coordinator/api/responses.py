@@ -64,9 +64,21 @@ class ChatLogprobs(BaseModel):
     content: list[TokenLogprob]
 
 
+class FunctionOut(BaseModel):
+    name: str
+    arguments: str  # a JSON object as text
+
+
+class ToolCallOut(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionOut
+
+
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[ToolCallOut] = []  # (as vLLM answers: an empty list when there are none)
 
 
 class ChatChoice(BaseModel):
@@ -91,9 +103,19 @@ class Delta(BaseModel):
     content: str | None = None
 
 
+class DeltaToolCall(ToolCallOut):
+    index: int  # the call's place among the choice's calls
+
+
+class ToolCallsDelta(BaseModel):
+    """A delta carrying complete tool calls (each call's arguments whole)."""
+
+    tool_calls: list[DeltaToolCall]
+
+
 class ChatChunkChoice(BaseModel):
     index: int
-    delta: Delta
+    delta: Delta | ToolCallsDelta
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None

@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 DEFAULT_MAX_QUEUE = 256
+TOOL_CALL_PARSERS = ("hermes",)  # coordinator/api/tool_calls.py
 MAX_N = 16  # choices per request by default; each is a separate engine request
 
 
@@ -19,3 +20,6 @@ class ServerSettings:
     retry_after_s: int = 1  # the Retry-After sent with a 503 for a full queue
     # Browser origins allowed to call the API (CORS); "*" any, as vLLM's default; () none.
     allowed_origins: tuple[str, ...] = ("*",)
+    # Parses tool calls out of chat replies (coordinator/api/tool_calls.py), which lets
+    # requests with tools use tool_choice "auto"; None: no parsing, only tool_choice "none".
+    tool_call_parser: str | None = None

@@ -147,12 +147,24 @@ def test_bad_size_is_a_usage_error(capsys) -> None:
         (["--kv-transfer-timeout", "nan"], "--kv-transfer-timeout must be a finite number > 0"),
         (["--placement-timeout", "-1"], "--placement-timeout must be a finite number > 0"),
         (["--shutdown-grace", "-5"], "--shutdown-grace must be a finite number >= 0"),
+        (["--enable-auto-tool-choice"], "--enable-auto-tool-choice needs --tool-call-parser"),
     ],
 )
 def test_flags_that_would_fail_after_startup_are_refused_before_it(flags, message) -> None:
     # (server_settings runs before Ray starts or a model loads)
     with pytest.raises(CliError, match=re.escape(message)):
         server_settings(serve_args(*flags))
+
+
+def test_tool_call_and_cors_flags_reach_the_server_settings() -> None:
+    assert server_settings(serve_args()).tool_call_parser is None
+    assert server_settings(serve_args("--tool-call-parser", "hermes")).tool_call_parser is None
+    both = serve_args("--enable-auto-tool-choice", "--tool-call-parser", "hermes")
+    assert server_settings(both).tool_call_parser == "hermes"
+    assert server_settings(serve_args()).allowed_origins == ("*",)
+    assert server_settings(serve_args("--allowed-origins")).allowed_origins == ()
+    narrow = serve_args("--allowed-origins", "http://a.example", "http://b.example")
+    assert server_settings(narrow).allowed_origins == ("http://a.example", "http://b.example")
 
 
 def test_flags_become_the_engine_and_deploy_configs(tiny_llama) -> None:
