@@ -101,6 +101,24 @@ def _call_out(call: ParsedCall) -> ToolCallOut:
     return ToolCallOut(id=call.id, function=FunctionOut(name=call.name, arguments=call.arguments))
 
 
+def _tool_call_choice(
+    index: int, calls: list[ParsedCall], first: int, out: RequestOutput
+) -> ChatChunkChoice:
+    """A chunk choice carrying complete calls; `first`: the first one's place in the reply."""
+    delta = ToolCallsDelta(
+        tool_calls=[
+            DeltaToolCall(index=first + k, **_call_out(call).model_dump())
+            for k, call in enumerate(calls)
+        ]
+    )
+    return ChatChunkChoice(
+        index=index,
+        delta=delta,
+        finish_reason="tool_calls" if out.finished else None,
+        stop_reason=out.stop_reason if out.finished else None,
+    )
+
+
 async def _chunks(
     ctx: ServerContext, job: Job, body: ChatCompletionRequest, outputs: Outputs
 ) -> AsyncIterator[ChatCompletionChunk | bytes]:
@@ -133,30 +151,13 @@ async def _chunks(
         logprobs: ChatLogprobs | None = None
         if body.logprobs and out.delta_token_ids:
             logprobs = chat_logprobs(ctx.token_texts, *new_logprobs(out))
-        if calls:
-            first = len(parser.calls) - len(calls) if parser is not None else 0
-            if text or logprobs:
+        if calls and parser is not None:
+            if text or logprobs:  # the text before the calls goes first
                 yield chunk(
                     [ChatChunkChoice(index=index, delta=Delta(content=text), logprobs=logprobs)]
                 )
                 text, logprobs = "", None
-            delta = ToolCallsDelta(
-                tool_calls=[
-                    DeltaToolCall(index=first + k, **_call_out(call).model_dump())
-                    for k, call in enumerate(calls)
-                ]
-            )
-            finish = "tool_calls" if out.finished else None
-            yield chunk(
-                [
-                    ChatChunkChoice(
-                        index=index,
-                        delta=delta,
-                        finish_reason=finish,
-                        stop_reason=out.stop_reason if out.finished else None,
-                    )
-                ]
-            )
+            yield chunk([_tool_call_choice(index, calls, len(parser.calls) - len(calls), out)])
             if out.finished:
                 continue
         if not (text or out.finished or logprobs):
