@@ -30,10 +30,13 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
         build_params(ctx.client, body, p, body.max_tokens, body.logprobs, {}) for p in prompts
     ]
     job = plan_job("cmpl", ctx, prompts, params, body.n, arrival)
+    echoes = _echoes(ctx, body, prompts)
     if body.stream:
-        return stream_job(ctx, job, lambda outputs: _chunks(ctx, job, body, outputs))
+        return stream_job(ctx, job, lambda outputs: _chunks(ctx, job, body, outputs, echoes))
     finals = await complete_job(ctx, job, request)
-    choices = [_choice(ctx, body, c.index, finals[c.index]) for c in job.choices]
+    choices = [
+        _choice(ctx, body, c.index, finals[c.index], echoes[c.prompt_index]) for c in job.choices
+    ]
     completion = Completion(
         id=job.request_id,
         created=job.created,
@@ -44,15 +47,27 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
     return JSONResponse(completion.model_dump())
 
 
+def _echoes(ctx: ServerContext, body: CompletionRequest, prompts: list[list[int]]) -> list[str]:
+    """Each prompt's text for `echo` (as sent, or its token ids decoded); "" without echo."""
+    if not body.echo:
+        return [""] * len(prompts)
+    if isinstance(body.prompt, str):
+        return [body.prompt]
+    if all(isinstance(p, str) for p in body.prompt):
+        return list(body.prompt)  # type: ignore[arg-type]
+    skip = body.skip_special_tokens  # (as the completion's own text is decoded)
+    return [ctx.client.tokenizer.decode(ids, skip_special_tokens=skip) for ids in prompts]
+
+
 def _choice(
-    ctx: ServerContext, body: CompletionRequest, index: int, out: RequestOutput
+    ctx: ServerContext, body: CompletionRequest, index: int, out: RequestOutput, echo: str
 ) -> CompletionChoice:
     logprobs = None
     if body.logprobs is not None:
         logprobs = completion_logprobs(ctx.token_texts, *all_logprobs(out), offset=0)
     return CompletionChoice(
         index=index,
-        text=out.text,
+        text=echo + out.text,
         logprobs=logprobs,
         finish_reason=out.finish_reason,
         stop_reason=out.stop_reason,
@@ -60,7 +75,7 @@ def _choice(
 
 
 async def _chunks(
-    ctx: ServerContext, job: Job, body: CompletionRequest, outputs: Outputs
+    ctx: ServerContext, job: Job, body: CompletionRequest, outputs: Outputs, echoes: list[str]
 ) -> AsyncIterator[Completion | bytes]:
     def chunk(choice: CompletionChoice) -> Completion:
         return Completion(id=job.request_id, created=job.created, model=job.model, choices=[choice])
@@ -71,6 +86,9 @@ async def _chunks(
     latest: dict[int, RequestOutput] = {}
     offsets: dict[int, int] = {}  # text characters sent per choice, for logprobs' text_offset
     plain = TextFrames(text_chunk)  # chunks of text alone, framed fast
+    for c in job.choices:  # echo: each choice opens with its prompt's text
+        if echoes[c.prompt_index]:
+            yield plain.frame(c.index, echoes[c.prompt_index])
     async for index, out in outputs:
         latest[index] = out
         logprobs: CompletionLogprobs | None = None

@@ -2,7 +2,7 @@
 
 Unknown parameters are refused (`extra="forbid"`, reported as a 400 naming the parameter), so
 nothing a client asks for is silently ignored. A few OpenAI parameters we do not implement are
-still accepted at their neutral value (`echo: false`, `suffix: ""`, `best_of` equal to `n`,
+still accepted at their neutral value (`suffix: ""`, `best_of` equal to `n`,
 ...), because clients send them with defaults filled in; so are nulls anywhere in a message (an
 SDK's dump of an earlier reply carries `refusal: null`, `tool_calls: null`, ...). Bookkeeping
 fields that ask nothing of generation (`user`, `store`, `metadata`) are accepted and unused.
@@ -18,7 +18,6 @@ from pydantic_core import PydanticCustomError
 
 # Parameters we do not implement, and the values that ask for nothing.
 NEUTRAL_VALUES: dict[str, tuple[Any, ...]] = {
-    "echo": (None, False),
     "suffix": (None, ""),
     "best_of": (None, 1),
     "parallel_tool_calls": (None, False, True),
@@ -121,6 +120,17 @@ class CompletionRequest(SamplingRequest):
     prompt: Prompt
     max_tokens: int | None = 16  # OpenAI's default for completions
     logprobs: int | None = None  # this many alternatives per token, with the chosen one's
+    echo: bool = False  # the prompt's text before the completion's
+
+    @model_validator(mode="after")
+    def _echo_without_logprobs(self) -> CompletionRequest:
+        if self.echo and self.logprobs is not None:
+            raise _body_error(
+                "echo",
+                "echo with logprobs needs the prompt's logprobs, which tandem does not "
+                "compute: send one or the other",
+            )
+        return self
 
     @field_validator("prompt", mode="before")
     @classmethod

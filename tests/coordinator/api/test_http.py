@@ -105,7 +105,7 @@ BAD_REQUESTS = [
     ("/v1/completions", {"prompt": "hi", "logprobs": 21}, 400, "logprobs"),
     ("/v1/completions", {"prompt": "hi", "seed": 2**63}, 400, "seed"),  # past signed 64 bits
     ("/v1/completions", {"prompt": "hi", "stream_options": {}}, 400, "stream_options"),
-    ("/v1/completions", {"prompt": "hi", "echo": True}, 400, "echo"),
+    ("/v1/completions", {"prompt": "hi", "echo": True, "logprobs": 1}, 400, "echo"),
     ("/v1/completions", {"prompt": "hi", "suffix": "!"}, 400, "suffix"),
     ("/v1/completions", {"prompt": "hi", "best_of": 3}, 400, "best_of"),
     ("/v1/completions", {"prompt": "hi", "logit_bias": {"5": 101}}, 400, "logit_bias"),
@@ -149,8 +149,28 @@ def test_bad_requests(http, path, body, status, param) -> None:
 
 
 def test_unsupported_parameter_message_says_so(http) -> None:
-    response = http.post("/v1/completions", json={"prompt": "hi", "echo": True})
-    assert "not supported" in assert_error(response, 400, "echo")["message"]
+    response = http.post("/v1/completions", json={"prompt": "hi", "suffix": "!"})
+    assert "not supported" in assert_error(response, 400, "suffix")["message"]
+
+
+def test_echo_puts_each_prompt_before_its_completion(http) -> None:
+    base = {"max_tokens": 4, "temperature": 0, "ignore_eos": True}
+    plain = http.post("/v1/completions", json={**base, "prompt": ["The quick", "0123"]}).json()
+    echoed = http.post(
+        "/v1/completions", json={**base, "prompt": ["The quick", "0123"], "echo": True, "n": 2}
+    ).json()
+    texts = {c["index"]: c["text"] for c in echoed["choices"]}
+    assert texts[0] == texts[1] == "The quick" + plain["choices"][0]["text"]
+    assert texts[2] == texts[3] == "0123" + plain["choices"][1]["text"]
+    assert echoed["usage"]["completion_tokens"] == 4 * 4  # the prompt is not output
+    body = {**base, "prompt": "The quick", "echo": True, "stream": True}
+    with http.stream("POST", "/v1/completions", json=body) as response:
+        chunks = [json.loads(d) for d in events(response)[:-1]]
+    assert chunks[0]["choices"][0]["text"] == "The quick"
+    assert "".join(c["choices"][0]["text"] for c in chunks) == texts[0]
+    ids = http.post("/tokenize", json={"prompt": "The quick"}).json()["tokens"]
+    by_ids = http.post("/v1/completions", json={**base, "prompt": ids, "echo": True}).json()
+    assert by_ids["choices"][0]["text"] == texts[0]  # token ids: decoded
 
 
 def test_neutral_values_of_unimplemented_parameters_pass(http) -> None:
