@@ -38,37 +38,34 @@ def _body_error(param: str, message: str) -> PydanticCustomError:
 
 
 class _Strict(BaseModel):
+    """Unknown fields are refused. A field sent as null takes its default, at any depth
+    (OpenAI's "use the default": clients that fill in every field send nulls, and so does an
+    SDK's dump of an earlier reply), for fields we do not implement too."""
+
     model_config = ConfigDict(extra="forbid")
-
-
-def _drop_neutral(data: Any) -> Any:
-    """Removes parameters sent as null (OpenAI's "use the default": clients that fill in every
-    field send them) and unimplemented ones that carry their neutral value; others stay and
-    fail."""
-    if not isinstance(data, dict):
-        return data
-    kept = {name: value for name, value in data.items() if value is not None}
-    for name, neutral in NEUTRAL_VALUES.items():
-        value = kept.get(name)
-        if name in kept and (value in neutral or (name == "best_of" and value == data.get("n"))):
-            del kept[name]
-    return kept
-
-
-def _drop_nulls(data: Any) -> Any:
-    """Removes fields sent as null (the default) from a nested object."""
-    if not isinstance(data, dict):
-        return data
-    return {name: value for name, value in data.items() if value is not None}
-
-
-class StreamOptions(_Strict):
-    include_usage: bool = False
 
     @model_validator(mode="before")
     @classmethod
     def _nulls(cls, data: Any) -> Any:
-        return _drop_nulls(data)
+        if not isinstance(data, dict):
+            return data
+        return {name: value for name, value in data.items() if value is not None}
+
+
+def _drop_neutral(data: Any, neutral_values: dict[str, tuple[Any, ...]]) -> Any:
+    """Removes unimplemented fields that carry a value asking for nothing; others stay and
+    fail."""
+    if not isinstance(data, dict):
+        return data
+    return {
+        name: value
+        for name, value in data.items()
+        if not (name in neutral_values and value in neutral_values[name])
+    }
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
 
 
 class SamplingRequest(_Strict):
@@ -100,7 +97,10 @@ class SamplingRequest(_Strict):
     @model_validator(mode="before")
     @classmethod
     def _neutral(cls, data: Any) -> Any:
-        return _drop_neutral(data)
+        data = _drop_neutral(data, NEUTRAL_VALUES)
+        if isinstance(data, dict) and "best_of" in data and data["best_of"] == data.get("n", 1):
+            del data["best_of"]  # one draw per choice is what `n` asks for anyway
+        return data
 
     @model_validator(mode="after")
     def _stream_options_need_stream(self) -> SamplingRequest:
@@ -165,11 +165,6 @@ class ToolCall(_Strict):
     type: Literal["function"] = "function"
     function: FunctionCall
 
-    @model_validator(mode="before")
-    @classmethod
-    def _nulls(cls, data: Any) -> Any:
-        return _drop_nulls(data)
-
 
 class FunctionDefinition(_Strict):
     name: str
@@ -196,14 +191,8 @@ class ChatMessage(_Strict):
 
     @model_validator(mode="before")
     @classmethod
-    def _nulls(cls, data: Any) -> Any:
-        if not isinstance(data, dict):
-            return data
-        kept = _drop_nulls(data)
-        for name, neutral in NEUTRAL_MESSAGE_VALUES.items():
-            if name in kept and kept[name] in neutral:
-                del kept[name]
-        return kept
+    def _neutral(cls, data: Any) -> Any:
+        return _drop_neutral(data, NEUTRAL_MESSAGE_VALUES)
 
     @field_validator("content")
     @classmethod
