@@ -227,7 +227,8 @@ class WorkerSpawner:
         else:
             prefill_ranks = deploy.num_prefill * self.tensor_parallel("prefill")
             self.ranks = prefill_ranks + deploy.num_decode * self.tensor_parallel("decode")
-        cluster_cpus = ray.cluster_resources().get("CPU", 1.0)
+        resources = ray.cluster_resources()
+        cluster_cpus = resources.get("CPU", 1.0)
         # Ranks share cores when there are fewer than ranks (a laptop, a CI box); on a
         # cluster each takes a whole Ray CPU.
         self.num_cpus = min(1.0, cluster_cpus / self.ranks)
@@ -243,9 +244,7 @@ class WorkerSpawner:
         # each GPU node type advertises `prefill` or `decode`). Remembered once seen: when a
         # pool's last node is gone, its replacement must still ask for one (else it lands on
         # the other pool's GPUs, or the autoscaler starts the wrong node type).
-        self._pool_resources = {
-            p for p in ("prefill", "decode") if ray.cluster_resources().get(p, 0) > 0
-        }
+        self._pool_resources = {p for p in ("prefill", "decode") if resources.get(p, 0) > 0}
         self.worker_ranks: dict[str, int] = {}  # worker id -> its tensor-parallel ranks
 
     def tensor_parallel(self, pool: str) -> int:

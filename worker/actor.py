@@ -41,15 +41,16 @@ class RoleError(RuntimeError):
     """A call meant for the other role (it arrived while the worker switched)."""
 
 
-def local_model(folder: Path, host: str) -> Path:
+def local_model(folder: str | Path, host: str) -> Path:
     """The model folder on this worker's node. The head names it; on another node it must be at
     the same path (or on a shared filesystem), except the default model, which a node lacking it
     fetches into its own cache, as the head did."""
     from engine.fetch import DEFAULT_MODEL_NAME, default_model_dir, fetch_default_model
 
-    if Path(folder).is_dir():
-        return Path(folder)
-    if Path(folder).name == DEFAULT_MODEL_NAME and Path(folder).parent.name == "models":
+    folder = Path(folder)
+    if folder.is_dir():
+        return folder
+    if folder.name == DEFAULT_MODEL_NAME and folder.parent.name == "models":
         log.info("fetching the default model on %s (the head's copy is not here)", host)
         return fetch_default_model(log=lambda line: log.info("%s", line))
     raise ConfigError(

@@ -107,7 +107,11 @@ def _tool_call_choice(
     """A chunk choice carrying complete calls; `first`: the first one's place in the reply."""
     delta = ToolCallsDelta(
         tool_calls=[
-            DeltaToolCall(index=first + k, **_call_out(call).model_dump())
+            DeltaToolCall(
+                index=first + k,
+                id=call.id,
+                function=FunctionOut(name=call.name, arguments=call.arguments),
+            )
             for k, call in enumerate(calls)
         ]
     )
