@@ -123,6 +123,8 @@ def build_client(engine: EngineConfig, deploy: DeployConfig) -> Coordinator:
     engine = replace(engine, late_after_s=late_after_s)
     connect_ray(deploy.address)
     engine = replace(engine, device=cluster_device(engine.device, deploy.address))
+    if planner is not None:
+        check_planner_profile(planner.model.model, engine.device, profile_path(deploy, model.path))
     spawner = WorkerSpawner(engine, deploy)
     for pool in spawner.pools():  # before any worker starts: a clear error, not a dead actor
         check_splits(model, spawner.tensor_parallel(pool))
@@ -140,7 +142,7 @@ def build_client(engine: EngineConfig, deploy: DeployConfig) -> Coordinator:
             block_size=engine.block_size,
             local_prefill_threshold=deploy.local_prefill_threshold,
             routing=deploy.routing,
-            route_costs=route_costs(deploy, model.path),
+            route_costs=route_costs(deploy, model.path, engine.device),
             placement_timeout=deploy.placement_timeout,
             late_after_s=late_after_s,
             stream_interval=deploy.stream_interval,
@@ -157,16 +159,49 @@ def build_client(engine: EngineConfig, deploy: DeployConfig) -> Coordinator:
     )
 
 
-def route_costs(deploy: DeployConfig, model_path: Path) -> RouteCosts:
+def profile_path(deploy: DeployConfig, model_path: Path) -> Path:
+    """The step profile the planner and cost routing price with."""
+    return deploy.planner_profile or model_path / PROFILE_FILE
+
+
+def profile_mismatch(model: StepCostModel, device: str) -> str | None:
+    """Why a step profile cannot price steps on `device`, or None. A profile fitted from
+    telemetry names no device and is taken as it is."""
+    measured = model.info.device.split(":")[0]
+    if not measured or measured == device.split(":")[0]:
+        return None
+    return f"was measured on {measured} and the workers run on {device}"
+
+
+def check_planner_profile(model: StepCostModel, device: str, path: Path) -> None:
+    """A planner predicting GPU steps with CPU prices (or the reverse) would size the pools by
+    orders of magnitude wrong: ConfigError, naming the command that measures the right ones."""
+    reason = profile_mismatch(model, device)
+    if reason is not None:
+        raise ConfigError(
+            f"the planner's step profile {path} {reason}: measure the workers' steps with "
+            f"`tandem profile --device {device} --model {path.parent}` on a worker's machine "
+            "(on a `ray up` head: add --address auto, which sweeps on a GPU node and saves the "
+            "profile here), or give --planner-profile"
+        )
+
+
+def route_costs(deploy: DeployConfig, model_path: Path, device: str) -> RouteCosts:
     """Cost routing's prices, from the model's step profile (`--planner-profile`, else
-    <model>/tandem-profile.json) when there is one; the built-in defaults otherwise."""
-    profile = deploy.planner_profile or model_path / PROFILE_FILE
+    <model>/tandem-profile.json) when there is one for the workers' device; the built-in
+    defaults otherwise."""
+    profile = profile_path(deploy, model_path)
     if deploy.routing != "cost" or not profile.is_file():
         return RouteCosts()
     try:
-        costs = RouteCosts.from_step_model(StepCostModel.load(profile))
+        model = StepCostModel.load(profile)
     except CostModelError as err:
         raise ConfigError(f"{profile}: {err}") from None
+    reason = profile_mismatch(model, device)
+    if reason is not None:
+        log.warning("cost routing ignores %s: it %s; the built-in prices stay", profile, reason)
+        return RouteCosts()
+    costs = RouteCosts.from_step_model(model)
     log.info("cost routing priced from %s: %s", profile, costs)
     return costs
 
@@ -182,11 +217,12 @@ def planner_setup(
         targets = planner_targets(parse_slo(deploy.planner_slo))
     except SloError as err:
         raise ConfigError(f"--planner-slo: {err}") from None
-    profile = deploy.planner_profile or model_path / PROFILE_FILE
+    profile = profile_path(deploy, model_path)
     if not profile.is_file():
         raise ConfigError(
             f"the planner predicts with a step cost model and {profile} does not exist: run "
-            f"`tandem profile --model {model_path}` first, or give --planner-profile"
+            f"`tandem profile --model {model_path}` first (on a `ray up` head, with --address "
+            "auto: the sweep runs on a GPU node), or give --planner-profile"
         )
     try:
         model = Calibrated(StepCostModel.load(profile))

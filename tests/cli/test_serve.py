@@ -295,14 +295,37 @@ def test_cost_routing_is_priced_from_the_models_step_profile(tmp_path) -> None:
     profile = REPO / "benchmarks" / "profiles" / "smollm2-cpu-1thread.json"
     expected = RouteCosts.from_step_model(StepCostModel.load(profile))
     given = DeployConfig(routing="cost", planner_profile=profile)
-    assert route_costs(given, tmp_path) == expected != RouteCosts()
+    assert route_costs(given, tmp_path, "cpu") == expected != RouteCosts()
     (tmp_path / "tandem-profile.json").write_bytes(profile.read_bytes())
-    assert route_costs(DeployConfig(routing="cost"), tmp_path) == expected  # next to the model
-    assert route_costs(DeployConfig(routing="load"), tmp_path) == RouteCosts()  # unpriced
-    assert route_costs(DeployConfig(routing="cost"), tmp_path / "none") == RouteCosts()
+    assert route_costs(DeployConfig(routing="cost"), tmp_path, "cpu") == expected  # next to it
+    assert route_costs(DeployConfig(routing="load"), tmp_path, "cpu") == RouteCosts()  # unpriced
+    assert route_costs(DeployConfig(routing="cost"), tmp_path / "none", "cpu") == RouteCosts()
+    # A CPU profile does not price GPU steps: the built-in prices stay.
+    assert route_costs(DeployConfig(routing="cost"), tmp_path, "cuda") == RouteCosts()
     (tmp_path / "tandem-profile.json").write_text("{}")
     with pytest.raises(ConfigError, match="tandem-profile.json: not a"):
-        route_costs(DeployConfig(routing="cost"), tmp_path)
+        route_costs(DeployConfig(routing="cost"), tmp_path, "cpu")
+
+
+def test_the_planner_refuses_a_profile_of_another_device(tmp_path) -> None:
+    import dataclasses
+
+    from coordinator.builder import check_planner_profile, profile_mismatch
+    from engine.config import ConfigError
+    from planning.cost_model import StepCostModel
+
+    cpu = StepCostModel.load(REPO / "benchmarks" / "profiles" / "smollm2-cpu-1thread.json")
+    assert cpu.info.device == "cpu"
+    path = tmp_path / "tandem-profile.json"
+    check_planner_profile(cpu, "cpu", path)  # the same device: taken
+    with pytest.raises(ConfigError, match="measured on cpu and the workers run on cuda") as err:
+        check_planner_profile(cpu, "cuda", path)
+    assert "--address auto" in str(err.value) and f"--model {tmp_path}" in str(err.value)
+    gpu = dataclasses.replace(cpu, info=dataclasses.replace(cpu.info, device="cuda:0"))
+    assert profile_mismatch(gpu, "cuda") is None  # a device index does not matter
+    assert "measured on cuda" in profile_mismatch(gpu, "cpu")
+    fitted = dataclasses.replace(cpu, info=dataclasses.replace(cpu.info, device=""))
+    assert profile_mismatch(fitted, "cuda") is None  # from telemetry: no device named
 
 
 def test_stream_interval_flag_and_its_error(tiny_llama) -> None:
