@@ -24,7 +24,7 @@ from protocol.kv import DTYPE_BYTES, KVLayout
 
 if TYPE_CHECKING:
     from cli.profile_sweep import Measurement
-    from planning.cost_model import ProfileInfo, StepCostModel
+    from planning.cost_model import StepCostModel
     from planning.transfer_model import TransferCostModel
 
 NOISY_CORES = 0.25  # other processes' CPU during a sweep past which its times are suspect
@@ -57,6 +57,47 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         help="fit a JSON list of step records instead of sweeping",
     )
     p.add_argument("--show-shapes", action="store_true", help="print every measured shape")
+    p.add_argument(
+        "--device",
+        default="auto",
+        choices=["auto", "cpu", "cuda"],
+        help="where the steps run; auto: cuda if there is a GPU (with --address: in the cluster)",
+    )
+    p.add_argument(
+        "--tensor-parallel-size",
+        "-tp",
+        type=int,
+        default=default_of(EngineConfig, "tensor_parallel_size"),
+        metavar="N",
+        help="split the model across N ranks, as each worker of the pool will be",
+    )
+    cluster = p.add_argument_group(
+        "on a Ray cluster (`ray up`: the head that runs `tandem serve` has no GPU)"
+    )
+    cluster.add_argument(
+        "--address",
+        help="run the step sweep on a worker node of this Ray cluster ('auto' on the head) "
+        "and save the profile here, where `tandem serve` reads it",
+    )
+    cluster.add_argument(
+        "--pool",
+        choices=["prefill", "decode"],
+        help="with --address: a node of this pool (its Ray resource, as cluster.yaml gives it)",
+    )
+    cluster.add_argument(
+        "--placement-timeout",
+        type=float,
+        default=600.0,
+        metavar="SECONDS",
+        help="with --address: how long a node may take to be found or started",
+    )
+    cluster.add_argument(
+        "--sweep-timeout",
+        type=float,
+        default=7200.0,
+        metavar="SECONDS",
+        help="with --address: how long the sweep may take once placed",
+    )
     kv = p.add_argument_group("KV transfer")
     kv.add_argument(
         "--transport",
@@ -78,10 +119,22 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     from planning.model_file import CostModelError
 
-    for flag in ("threads", "max_batch"):
+    for flag in ("threads", "max_batch", "tensor_parallel_size"):
         value = getattr(args, flag)
         if value is not None and value < 1:
             raise CliError(f"--{flag.replace('_', '-')} must be at least 1")
+    for flag in ("placement_timeout", "sweep_timeout"):
+        if not 0 < getattr(args, flag) < float("inf"):
+            raise CliError(f"--{flag.replace('_', '-')} must be a positive number of seconds")
+    if args.pool is not None and args.address is None:
+        raise CliError("--pool needs --address (a cluster whose nodes belong to pools)")
+    if args.address is not None and args.from_telemetry is not None:
+        raise CliError("--address runs a sweep; --from-telemetry fits records instead")
+    if args.address is not None and args.transport is not None:
+        raise CliError(
+            "--transport times KV between two processes of this machine; with --address only "
+            "the step sweep runs on the cluster (time the transfer on a worker node)"
+        )
     if args.transfer_only and args.transport is None:
         raise CliError("--transfer-only needs --transport NAME")
     if args.transfer_only and args.from_telemetry is not None:
@@ -148,62 +201,57 @@ def _fit_telemetry(args: argparse.Namespace) -> tuple[StepCostModel, Path]:
 
 
 def _sweep_and_fit(args: argparse.Namespace) -> tuple[StepCostModel, Path]:
-    import torch
-
-    from cli.profile_sweep import FULL, QUICK, Sweep
-    from engine.llm import LLM
-    from kernels.threads import use_threads
+    from cli.profile_sweep import SweepSettings, measure_steps
+    from engine.config import ModelConfig, check_splits
     from planning.cost_model import fit
 
-    folder = _model_folder(args.model)
+    folder = _model_folder(args.model, args.address)
     output = args.output or folder / PROFILE_FILE
     if not output.parent.is_dir():
         raise CliError(f"folder {output.parent} does not exist")
-    if args.threads is not None:
-        use_threads(args.threads)
-    # One sequence more than the largest batch: a mixed step's prompt joins a full rung.
-    seqs = args.max_batch + 1
-    llm = LLM(folder, dtype=args.dtype, max_num_seqs=seqs, enable_prefix_caching=True)
-    try:
-        sweep = Sweep(llm.engine, args.max_batch)
-        measured = sweep.run(QUICK if args.quick else FULL, log=_log)
-    finally:
-        llm.close()
+    check_splits(ModelConfig.from_pretrained(folder), args.tensor_parallel_size)  # before a node
+    settings = SweepSettings(
+        dtype=args.dtype,
+        device=args.device,
+        threads=args.threads,
+        max_batch=args.max_batch,
+        tensor_parallel=args.tensor_parallel_size,
+        quick=args.quick,
+    )
+    if args.address is not None:
+        from cli import profile_cluster
+
+        placement = profile_cluster.Placement(
+            args.address, args.pool, args.placement_timeout, args.sweep_timeout
+        )
+        measured, info = profile_cluster.sweep(placement, folder, settings, log=_log)
+    else:
+        device = _local_device(args.device)
+        measured, info = measure_steps(folder, settings._replace(device=device), log=_log)
     train = [m.record for m in measured if not m.heldout]
     heldout = [m.record for m in measured if m.heldout]
-    others = [cores for cores in sweep.others_cores if cores is not None]
-    quietest = min(others, default=None)
-    info = _info(folder, llm.engine.config, torch.get_num_threads(), quietest)
     model = fit(train, heldout, info)
     if args.show_shapes:
         _print_shapes(model, measured)
     return model, output
 
 
-def _info(
-    folder: Path, config: EngineConfig, threads: int, others_cores: float | None
-) -> ProfileInfo:
-    from planning.cost_model import ProfileInfo
+def _local_device(device: str) -> str:
+    if device != "auto":
+        return device
+    import torch
 
-    return ProfileInfo(
-        model=folder.name,
-        dtype=config.dtype,
-        device=config.device,
-        threads=threads,
-        block_size=config.block_size,
-        source="sweep",
-        others_cores=others_cores,
-    )
+    return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def _model_folder(model: Path | None) -> Path:
+def _model_folder(model: Path | None, address: str | None = None) -> Path:
     if model is None:
         from engine.fetch import fetch_default_model
 
         return fetch_default_model()
     if not model.is_dir():
         raise CliError(f"model folder {model} does not exist")
-    return model
+    return model.resolve() if address is not None else model  # a path a worker node can read
 
 
 def _log(line: str) -> None:

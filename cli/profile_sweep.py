@@ -18,10 +18,13 @@ the training shapes, so the held-out error says how the model does between measu
 from __future__ import annotations
 
 import random
+import socket
 from collections.abc import Callable
+from pathlib import Path
 from typing import TYPE_CHECKING, NamedTuple
 
 from cli import cpu_watch
+from planning.cost_model import ProfileInfo
 from planning.records import median_record
 from protocol.sampling import SamplingParams
 from protocol.telemetry import StepRecord
@@ -59,6 +62,22 @@ class Measurement(NamedTuple):
     label: str
     record: StepRecord  # the median of the repeats
     heldout: bool
+
+
+class SweepSettings(NamedTuple):
+    """What `tandem profile` asks of a sweep, wherever it runs."""
+
+    dtype: str
+    device: str  # "cpu" or "cuda"
+    threads: int | None  # torch threads; None: torch's
+    max_batch: int
+    tensor_parallel: int
+    quick: bool
+
+
+class StepSweep(NamedTuple):
+    measured: list[Measurement]
+    info: ProfileInfo  # the setup measured, for the profile file
 
 
 BATCHES = (64, 48, 32, 24, 16, 12, 8, 4, 2, 1)
@@ -154,7 +173,8 @@ class Sweep:
         so first-call costs (oneDNN primitives, the C++ kernels' load) stay out of the fit."""
         ladder = Ladder(32, (min(self.max_batch, 24), 1), (), (32,), (1,))
         self.ladder(ladder, False, SweepPlan((), (), decode_steps=2, repeats=2, passes=1))
-        self.prompt(PromptShape(min(512, self.engine.config.max_num_batched_tokens), 0, False), 2)
+        longest = min(512, self.engine.config.max_num_batched_tokens, self.engine.max_model_len - 1)
+        self.prompt(PromptShape(longest, 0, False), 2)
 
     def ladder(self, ladder: Ladder, heldout: bool, plan: SweepPlan) -> list[Measurement]:
         rungs, max_tokens = self._rungs(ladder, heldout, plan)
@@ -246,3 +266,42 @@ class Sweep:
         while self.engine.has_unfinished:
             self.engine.step()
         return self.engine.step_log.since(start)[1]
+
+
+def measure_steps(folder: Path, settings: SweepSettings, log: Callable[[str], None]) -> StepSweep:
+    """Loads the model in this process and sweeps its steps: the part of `tandem profile` that
+    runs where the steps will run (here, or on a cluster's worker node)."""
+    import torch
+
+    from engine.llm import LLM
+    from kernels.threads import use_threads
+
+    if settings.threads is not None:
+        use_threads(settings.threads)
+    # One sequence more than the largest batch: a mixed step's prompt joins a full rung.
+    llm = LLM(
+        folder,
+        dtype=settings.dtype,
+        device=settings.device,
+        tensor_parallel_size=settings.tensor_parallel,
+        max_num_seqs=settings.max_batch + 1,
+        enable_prefix_caching=True,
+    )
+    try:
+        sweep = Sweep(llm.engine, settings.max_batch)
+        measured = sweep.run(QUICK if settings.quick else FULL, log=log)
+    finally:
+        llm.close()
+    config = llm.engine.config
+    info = ProfileInfo(
+        model=folder.name,
+        dtype=config.dtype,
+        device=config.device,
+        threads=torch.get_num_threads(),
+        block_size=config.block_size,
+        source="sweep",
+        others_cores=min((c for c in sweep.others_cores if c is not None), default=None),
+        host=socket.gethostname(),
+        tensor_parallel=config.tensor_parallel_size,
+    )
+    return StepSweep(measured, info)

@@ -72,6 +72,8 @@ class ProfileInfo:
     block_size: int = 0
     source: str = ""  # "sweep" or "telemetry"
     others_cores: float | None = None  # CPU other processes took during a sweep: its noise
+    host: str = ""  # the machine the steps ran on (a cluster's sweep runs on a worker node)
+    tensor_parallel: int = 1  # ranks each step ran on
 
 
 Feature = Callable[[HasStepShape, int, int], float]  # (shape, small_batch_rows, knee) -> value
