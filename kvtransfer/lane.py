@@ -178,8 +178,8 @@ class Lane:
                 )
             if not isinstance(job, OpenChannel):
                 self._post(job)
-        except TransferError as err:
-            self._break(job, err)
+        except Exception as err:  # noqa: BLE001  (a CUDA or wire error too: see _unexpected)
+            self._break(job, _unexpected(err))
             return False
         return True
 
@@ -214,8 +214,8 @@ class Lane:
                 continue
             try:
                 pending.wait(self.ledger.timeout)
-            except TransferError as err:
-                self._break(job, err)
+            except Exception as err:  # noqa: BLE001  (see _unexpected)
+                self._break(job, _unexpected(err))
                 continue
             if isinstance(job, SendLayer):
                 self._sent(job, start)
@@ -237,3 +237,14 @@ class Lane:
         if self.channel is not None:
             self.channel.close()
         self.ledger.refuse(job, err)
+
+
+def _unexpected(err: Exception) -> TransferError:
+    """An error a send raised, as a TransferError. Anything else (a CUDA error staging a payload,
+    a UCX error from its progress thread) breaks the channel the same way: had it ended the
+    lane's thread instead, nothing would read its queue, and every request on the channel would
+    wait for the coordinator's prefill deadline while the queue held their payloads."""
+    if isinstance(err, TransferError):
+        return err
+    log.error("KV lane: unexpected %r; the channel is given up", err)
+    return TransferError(f"unexpected {type(err).__name__}: {err}")

@@ -449,3 +449,55 @@ def test_a_new_channel_key_to_a_decode_worker_closes_its_old_lane() -> None:
     assert wire(transport.channels["p0->d0#0"])[-1] == CloseFrame("channel p0->d0#1 replaced it")
     sender.close()
     assert [(f.request_id, f.error) for f in finished] == [("A", None), ("B", None)]
+
+
+@pytest.mark.parametrize("where", ["post", "wait"])
+def test_an_unexpected_error_breaks_the_channel_and_the_lane_serves_on(
+    where: str, monkeypatch
+) -> None:
+    """Not a TransferError (a CUDA error staging a payload, a UCX error while waiting): the
+    request on that channel fails at once, later jobs on it are refused, and another channel's
+    request goes through; before, the lane's thread died and its requests waited for good."""
+    import kvtransfer.lane
+
+    a, b = ticket("A", 3, TO_D0), ticket("B", 2, TO_D1)
+    transport = FakeTransport()
+    sender, finished = start_sender(transport)
+    for t in (a, b):
+        sender.open(t)
+    if where == "post":
+
+        def staging_fails(payload: torch.Tensor, counts: list[int]) -> list[int]:
+            if counts == [a.num_tokens]:  # A's payloads only (B has 2 tokens)
+                raise RuntimeError("CUDA error: an illegal memory access was encountered")
+            return part_sums(payload, counts)
+
+        monkeypatch.setattr(kvtransfer.lane, "part_sums", staging_fails)
+        send_step(sender, [a])
+    else:  # A's channel fails a wait with an error that is not a TransferError
+        sender.send_step([(a, 0, 3)], NUM_LAYERS)
+        deadline = time.monotonic() + 5
+        while TO_D0 not in transport.channels:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        original = FakeChannel.send_async
+
+        def wait_fails(self: FakeChannel, tensor: torch.Tensor) -> FakePending:
+            pending = original(self, tensor)
+            pending.error = ValueError("ucp error") if self is transport.channels[TO_D0] else None
+            return pending
+
+        monkeypatch.setattr(FakeChannel, "send_async", wait_fails)
+        for layer in range(NUM_LAYERS):
+            sender.send_layer([(a, 3)], layer, payload(1.0, 3))
+    b_payloads = send_step(sender, [b])
+    sender.send_done(a, 11, None)
+    sender.send_done(b, 12, None)
+    sender.close(timeout=5)
+
+    reports = {f.request_id: f for f in finished}
+    assert len(finished) == 2
+    assert isinstance(reports["A"].error, TransferError)
+    assert "unexpected" in str(reports["A"].error)
+    assert reports["B"].error is None and reports["B"].record.bytes_sent == nbytes(b_payloads)
+    assert transport.channels[TO_D0].closed
