@@ -252,16 +252,22 @@ class Coordinator:
         self.supervisor.begin_switch(worker_id)
         self._worker_left(entry, "switching role")
         self._unfollow(worker_id)
+        # Begun, the switch ends one way or the other even if its caller is cancelled (the
+        # planner's tick, when its mode changes): stopped half-way, the worker would sit out of
+        # routing and probes, counted live, and its pool would stay one short for good.
+        await asyncio.shield(self._background(self._finish_switch(entry, role)))
+        return time.monotonic() - started
+
+    async def _finish_switch(self, entry: WorkerEntry, role: str) -> None:
         try:
             await self._call(entry.handle.set_role, role)
         except Exception as err:
-            self.supervisor.report_dead(worker_id, f"role switch failed: {_brief(err)}")
+            self.supervisor.report_dead(entry.worker_id, f"role switch failed: {_brief(err)}")
             raise
-        self.router.remove(worker_id)
-        (self.prefill if entry.pool == "prefill" else self.decode).pop(worker_id, None)
-        self.supervisor.end_switch(worker_id, role)
+        self.router.remove(entry.worker_id)
+        (self.prefill if entry.pool == "prefill" else self.decode).pop(entry.worker_id, None)
+        self.supervisor.end_switch(entry.worker_id, role)
         self._worker_joined(entry, self.max_model_len)
-        return time.monotonic() - started
 
     # -- what the planner sees and does (coordinator/planner_loop.PoolControl) ---------------
 
@@ -616,7 +622,10 @@ class Coordinator:
     async def _refresh_stats(self) -> None:
         while True:
             await asyncio.sleep(STATS_SECONDS)
-            await asyncio.gather(self._refresh_once(), self._refresh_telemetry())
+            try:
+                await asyncio.gather(self._refresh_once(), self._refresh_telemetry())
+            except Exception:  # routing, room and the planner live on these: never stop
+                log.exception("refreshing the workers' stats failed; trying again")
 
     def _alive_workers(self) -> dict[str, Any]:
         """Handles of the workers the router counts alive, by worker id."""
@@ -635,7 +644,7 @@ class Coordinator:
             return_exceptions=True,
         )
         for worker_id, reply in zip(alive, replies, strict=True):
-            if isinstance(reply, Telemetry):
+            if isinstance(reply, Telemetry) and self.router.is_alive(worker_id):  # not left since
                 report = self.telemetry.apply(worker_id, reply)
                 self.router.cache_changed(worker_id, *report)
 
@@ -648,6 +657,8 @@ class Coordinator:
             return_exceptions=True,
         )
         for worker_id, result in zip(alive, results, strict=True):
+            if not self.router.is_alive(worker_id):  # it left while its answer was on the way
+                continue
             if isinstance(result, WorkerStats):
                 self._stats[worker_id] = result
                 self.router.observe(worker_id, result.num_free_blocks, result.queued_prefill_tokens)

@@ -147,16 +147,22 @@ class Supervisor:
 
     async def _probe_loop(self) -> None:
         while not self._closed:
-            watched = [
-                w
-                for w in self.workers.values()
-                if w.state in (WorkerState.SERVING, WorkerState.DRAINING)
-            ]
-            await asyncio.gather(*(self._probe(w) for w in watched))
-            for entry in watched:
-                if entry.state is WorkerState.DRAINING and self.in_use(entry.worker_id) == 0:
-                    self.retire(entry.worker_id, "drained", replace=False)
+            try:
+                await self._probe_all()
+            except Exception:  # the loop that heals the pools never ends on one bad round
+                log.exception("probing the workers failed; probing again")
             await asyncio.sleep(self.config.probe_interval)
+
+    async def _probe_all(self) -> None:
+        watched = [
+            w
+            for w in self.workers.values()
+            if w.state in (WorkerState.SERVING, WorkerState.DRAINING)
+        ]
+        await asyncio.gather(*(self._probe(w) for w in watched))
+        for entry in watched:
+            if entry.state is WorkerState.DRAINING and self.in_use(entry.worker_id) == 0:
+                self.retire(entry.worker_id, "drained", replace=False)
 
     async def _probe(self, entry: WorkerEntry) -> None:
         try:
@@ -274,7 +280,11 @@ class Supervisor:
     async def _try_start(self, pool: str, record: _PoolRecord, replacing: bool) -> bool:
         began = time.monotonic()
         record.recent.append(began)
-        worker_id, handle = self.spawn(pool)
+        try:
+            worker_id, handle = self.spawn(pool)
+        except Exception as err:  # Ray's control plane refused: a failed start, retried
+            log.error("a new %s worker could not be placed: %s", pool, err)
+            return False
         entry = WorkerEntry(worker_id, pool, handle, WorkerState.STARTING)
         self.workers[worker_id] = entry
         try:
@@ -299,7 +309,10 @@ class Supervisor:
     def _kill(self, worker_id: str, handle: Any) -> None:
         _kill(handle)
         if self.release is not None:
-            self.release(worker_id)
+            try:
+                self.release(worker_id)
+            except Exception as err:  # the worker is out either way; its loop goes on
+                log.error("could not free what worker %s reserved: %s", worker_id, err)
 
 
 def _kill(handle: Any) -> None:

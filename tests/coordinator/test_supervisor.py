@@ -272,3 +272,89 @@ def test_slow_model_loading_is_not_a_placement_failure(killed) -> None:
             assert await tokens_of(coordinator) == OUTPUT[:8]
 
     run(main())
+
+
+def test_a_role_switch_whose_caller_is_cancelled_still_ends(killed) -> None:
+    """The planner's tick is cancelled when its mode changes, maybe mid-switch: the worker
+    still ends in its new pool, routable and probed, instead of out of both for good."""
+
+    async def main() -> None:
+        cluster = FakeCluster(CONFIG, num_prefill=1, num_decode=2)
+        cluster.decode["decode-0"].set_role_seconds = 0.2
+        async with cluster.running() as coordinator:
+            switch = asyncio.ensure_future(coordinator.switch_role("decode-0", "prefill"))
+            await asyncio.sleep(0.05)
+            switch.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await switch
+            await until(lambda: coordinator.supervisor.workers["decode-0"].pool == "prefill")
+            assert coordinator.supervisor.workers["decode-0"].state.value == "serving"
+            assert coordinator.router.is_alive("decode-0")
+            assert await tokens_of(coordinator, "after") == OUTPUT[:8]
+
+    run(main())
+
+
+def test_a_spawn_that_raises_is_a_failed_start_and_is_tried_again(killed) -> None:
+    """Ray's control plane refusing a new actor (a GCS hiccup) fails that start, not the task
+    that keeps the pool at its size: the next try places the replacement."""
+
+    async def main() -> None:
+        cluster = FakeCluster(CONFIG, num_prefill=1, num_decode=2, spawn=True)
+        async with cluster.running() as coordinator:
+            supervisor = coordinator.supervisor
+            spawn, refused = supervisor.spawn, []
+
+            def flaky(pool: str):
+                if not refused:
+                    refused.append(pool)
+                    raise ConnectionError("GCS unavailable")
+                return spawn(pool)
+
+            supervisor.spawn = flaky
+            cluster.decode["decode-0"].dead = True
+            await until(lambda: "decode-0" not in supervisor.workers)
+            await until(lambda: len(supervisor.serving("decode")) == 2)
+            assert refused == ["decode"] and cluster.spawned == ["decode-new0"]
+            assert await tokens_of(coordinator, "after") == OUTPUT[:8]
+
+    run(main())
+
+
+def test_probing_goes_on_after_a_release_that_raises(killed) -> None:
+    async def main() -> None:
+        cluster = FakeCluster(CONFIG, num_prefill=1, num_decode=3)
+        async with cluster.running() as coordinator:
+            supervisor = coordinator.supervisor
+
+            def release(worker_id: str) -> None:
+                raise ConnectionError(f"placement group of {worker_id}: GCS unavailable")
+
+            supervisor.release = release
+            cluster.decoder("decode-1").frozen = True
+            await until(lambda: "decode-1" not in supervisor.workers)
+            cluster.decoder("decode-2").frozen = True  # the probe loop still watches
+            await until(lambda: "decode-2" not in supervisor.workers)
+            assert await tokens_of(coordinator, "after") == OUTPUT[:8]
+
+    run(main())
+
+
+def test_the_stats_loop_survives_a_round_that_raises(killed, monkeypatch) -> None:
+    async def main() -> None:
+        cluster = FakeCluster(CONFIG, num_prefill=1, num_decode=1)
+        async with cluster.running() as coordinator:
+            observe, raised = coordinator.router.observe, []
+
+            def observe_once_bad(*args) -> None:
+                if not raised:
+                    raised.append(args)
+                    raise RuntimeError("a bad report")
+                observe(*args)
+
+            monkeypatch.setattr(coordinator.router, "observe", observe_once_bad)
+            await until(lambda: bool(raised))
+            calls = len(cluster.decode["decode-0"].calls["stats"])
+            await until(lambda: len(cluster.decode["decode-0"].calls["stats"]) > calls + 2)
+
+    run(main())

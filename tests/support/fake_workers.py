@@ -71,6 +71,7 @@ class FakeHandle:
     def __init__(self, actor: FakePrefillActor | FakeDecodeActor) -> None:
         self.actor = actor
         self.make_role: Callable[[str, str], Any] = _no_roles
+        self.set_role_seconds = 0.0  # an engine that takes this long to stop and restart
         self._dead = False
         self.calls: dict[str, list[tuple]] = defaultdict(list)
 
@@ -90,6 +91,7 @@ class FakeHandle:
         return FakeMethod(self, name, getattr(self.actor, name))
 
     async def _set_role(self, role: str) -> float:
+        await asyncio.sleep(self.set_role_seconds)
         self.actor.die()  # the old role's update stream ends with it
         self.actor.stopped = True  # and its engine thread: calls still running fail
         self.actor = self.make_role(role, self.actor.worker_id)
