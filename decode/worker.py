@@ -257,7 +257,16 @@ class DecodeWorker:
                 self.route_bytes[route] = self.route_bytes.get(route, 0) + nbytes
         self.transfers.seconds.observe(max(each.seconds for each in arrived.values()))
         first = arrived[0]  # its legs include route 0>0, with the token
-        self._publish([self.engine.admit(event.request_id, first.token_id, _logprobs(first))])
+        try:
+            update = self.engine.admit(event.request_id, first.token_id, _logprobs(first))
+        except Exception as err:  # noqa: BLE001  (its lease is gone: fail it here, or it waits)
+            log.exception("admitting %s failed", event.request_id)
+            self._forget(event.request_id)
+            self.engine.abort(event.request_id)  # reserved or half-admitted: its blocks freed
+            self.transfers.failures += 1
+            self._publish([RequestFailed(event.request_id, f"admitting its KV failed: {err!r}")])
+            return
+        self._publish([update])
 
     def _step(self) -> None:
         self._publish(self.engine.step(self._on_layer))

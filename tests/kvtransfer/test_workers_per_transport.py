@@ -160,3 +160,35 @@ def test_a_link_broken_mid_transfer_fails_the_request_and_frees_both_sides(
         decode.shutdown()
         for transport in transports:
             close_transport(transport)
+
+
+def test_an_arrival_the_engine_cannot_admit_fails_alone_and_frees_its_blocks(
+    tiny_llama, monkeypatch
+) -> None:
+    """The KV arrived, but joining the batch raised (a bug, a device error): the request fails
+    with a message instead of waiting with no lease, its blocks come back, and the next
+    request is served."""
+    config = engine_config(tiny_llama, num_kv_blocks=64)
+    transports = [transport_named("gloo"), transport_named("gloo")]
+    prefill = PrefillWorker("p-admit", LLMEngine(config), transports[0], 5.0)
+    decode = DecodeWorker("d-admit", LLMEngine(config), transports[1], transfer_timeout=5.0)
+    admit = decode.engine.admit
+
+    def admit_fails_once(request_id: str, *args):
+        if request_id == "doomed":
+            raise RuntimeError("CUDA error: device-side assert triggered")
+        return admit(request_id, *args)
+
+    monkeypatch.setattr(decode.engine, "admit", admit_fails_once)
+    try:
+        outcomes = run(prefill, decode, [WorkRequest("doomed", list(range(3, 40)), GREEDY)])
+        assert "admitting its KV failed" in outcomes.errors["doomed"]
+        assert "device-side assert" in outcomes.errors["doomed"]
+        assert decode.engine.blocks.num_free_blocks == 64 and not decode.engine.reserved
+        outcomes = run(prefill, decode, [WorkRequest("next", list(range(3, 40)), GREEDY)])
+        assert len(outcomes.tokens["next"]) == GREEDY.max_tokens and not outcomes.errors
+    finally:
+        prefill.shutdown()
+        decode.shutdown()
+        for transport in transports:
+            close_transport(transport)
