@@ -4,6 +4,7 @@ submitted from other threads between steps (the engine itself is not thread-safe
 from __future__ import annotations
 
 import atexit
+import contextlib
 import logging
 import queue
 import threading
@@ -34,7 +35,8 @@ def _stop_at_exit() -> None:
     for engine in engines:
         engine._stop.set()
     for engine in engines:
-        engine.stop(EXIT_WAIT_SECONDS)
+        with contextlib.suppress(TimeoutError):  # exiting anyway: as much time as we give
+            engine.stop(EXIT_WAIT_SECONDS)
 
 
 class EngineThread:
@@ -95,10 +97,16 @@ class EngineThread:
 
     def stop(self, timeout: float = 10.0) -> None:
         """Stops the loop after the current step; calls not yet run fail (nothing waits on
-        them forever), and later submits fail at once."""
+        them forever), and later submits fail at once. TimeoutError if the step still runs
+        after `timeout`: the engine is not this thread's to give up then, and whoever goes on
+        to use it (another role's thread, an abort of everything) would race a live step."""
         self._stop.set()
         self._thread.join(timeout)
         self._fail_pending(RuntimeError("engine thread stopped"))
+        if self._thread.is_alive():
+            raise TimeoutError(
+                f"engine thread {self._thread.name} is still in a step after {timeout:g}s"
+            )
 
     def _run(self) -> None:
         use_threads(self._num_threads)

@@ -43,3 +43,32 @@ def exit_code(mode: str) -> int:
 
 def test_exiting_while_an_engine_thread_steps_is_clean() -> None:
     assert exit_code("with-hook") == 0
+
+
+def test_stop_says_so_when_a_step_outlasts_its_deadline() -> None:
+    """A worker switching roles stops its engine thread and hands the engine to another: with
+    the step still running, that would be two threads on one block manager. So stop raises."""
+    import threading
+    import time
+
+    from engine.engine_thread import EngineThread
+
+    in_step, release = threading.Event(), threading.Event()
+
+    def step() -> None:
+        in_step.set()
+        release.wait(5)
+
+    thread = EngineThread("slow", step, has_work=lambda: not release.is_set(), on_crash=print)
+    assert in_step.wait(5)
+    started = time.monotonic()
+    try:
+        thread.stop(timeout=0.2)
+    except TimeoutError as err:
+        assert "still in a step after 0.2s" in str(err)
+    else:
+        raise AssertionError("stop returned while the step ran")
+    assert 0.2 <= time.monotonic() - started < 2
+    assert thread.submit(lambda: None).exception() is not None  # stopped for callers anyway
+    release.set()
+    thread.stop(timeout=5)  # the step ended: it stops
