@@ -17,7 +17,7 @@ Beside the forward pass a follower may play a part in its worker's role, through
 it holds). On the same connection:
 
     rank 0 -> rank r   ["step", batch, extra]   extra: what the hooks need for this step
-                       ["call", request]        answered by ["reply", result]
+                       ["call", request, n]     answered by ["reply", [n, ok, answer]]
     rank r -> rank 0   ["event", body]          any time, from any thread of rank r
 
 The collectives have the process group's deadline, so a rank that dies or hangs mid-step
@@ -138,6 +138,7 @@ class RankGroup:
         self.on_lost: Callable[[int], None] | None = None  # (rank): its connection ended
         self._lost: set[int] = set()
         self._closing = False
+        self._calls = 0  # numbers each call: a reply that missed its deadline answers no other
 
     def join(self, device: torch.device) -> dist.ProcessGroup:
         """The ranks' process group, once every follower has joined it."""
@@ -187,16 +188,23 @@ class RankGroup:
         One caller at a time (the engine thread)."""
         if self._lost:  # at once: no waiting out the deadline for a rank that cannot answer
             raise RemoteError(f"tensor-parallel rank(s) {sorted(self._lost)} gone")
-        message = frame(["call", request])
+        self._calls += 1
+        number = self._calls
+        message = frame(["call", request, number])
         for connection in self._followers:
             connection.sendall(message)
         deadline = time.monotonic() + self._timeout
         answers = []
         for rank, replies in enumerate(self._replies, start=1):
-            try:
-                ok, answer = replies.get(timeout=max(deadline - time.monotonic(), 0.001))
-            except queue.Empty:
-                raise TimeoutError(f"tensor-parallel rank {rank} did not answer") from None
+            while True:  # replies to earlier calls, late or left by a raise, are passed over
+                try:
+                    answered, ok, answer = replies.get(
+                        timeout=max(deadline - time.monotonic(), 0.001)
+                    )
+                except queue.Empty:
+                    raise TimeoutError(f"tensor-parallel rank {rank} did not answer") from None
+                if answered in (number, None):  # None: the rank is gone
+                    break
             if not ok:
                 raise RemoteError(f"tensor-parallel rank {rank}: {answer}")
             answers.append(answer)
@@ -220,7 +228,7 @@ class RankGroup:
                 kind, body = _read(connection, patient=True)
             except (OSError, EOFError, ValueError):
                 self._lost.add(rank)
-                replies.put((False, "the rank is gone"))
+                replies.put((None, False, "the rank is gone"))
                 if not self._closing and self.on_lost is not None:
                     self.on_lost(rank)
                 return
@@ -277,7 +285,8 @@ def follow(spec: FollowerSpec) -> None:
             except (ConnectionError, EOFError):
                 return  # rank 0 closed or died
             if kind == "call":
-                write(["reply", _answer(hooks, body[0])])
+                request, number = body
+                write(["reply", [number, *_answer(hooks, request)]])
                 continue
             batch, extra = BatchSpec(*body[0]), body[1]
             if hooks is not None and extra is not None:
