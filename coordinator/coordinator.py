@@ -341,8 +341,11 @@ class Coordinator:
                 try:
                     await self._attempt(request, work)
                 finally:
-                    await self._end_attempt(request, work)
-                if request.finished or request.failed or self._closing:
+                    self._end_attempt(request, work)
+                if request.finished or request.failed:
+                    return
+                if self._closing:  # between attempts, shutdown's round of failures missed it
+                    request.fail(EngineDeadError("the server is shutting down"))
                     return
                 log.warning("request %s lost (%s); retrying", work.request_id, request.lost_reason)
             request.fail(
@@ -505,7 +508,10 @@ class Coordinator:
             request.prefill_queued = False
             self.router.prefilled(request.route, queued_tokens(request.route, work.token_ids))
 
-    async def _end_attempt(self, request: TrackedRequest, work: WorkRequest) -> None:
+    def _end_attempt(self, request: TrackedRequest, work: WorkRequest) -> None:
+        """Frees the attempt's route here, and tells its workers to drop it. The aborts are
+        sent, not awaited: a caller cancelled again (a client gone while its request ends)
+        cannot stop them half-way, which left a decode worker generating for nobody."""
         self._requests.pop(work.request_id, None)
         route = request.route
         if route is None:
@@ -517,8 +523,7 @@ class Coordinator:
             return
         for worker_id, pool in ((route.decode_id, self.decode), (route.prefill_id, self.prefill)):
             if worker_id is not None and self.router.is_alive(worker_id):
-                with contextlib.suppress(Exception):
-                    await self._call(pool[worker_id].abort, work.request_id, timeout=5.0)
+                self._background(self._call(pool[worker_id].abort, work.request_id, timeout=5.0))
 
     # -- decode workers --------------------------------------------------------------------
 
@@ -671,8 +676,15 @@ class Coordinator:
     def _background(self, coro: Coroutine) -> asyncio.Task:
         task = asyncio.ensure_future(coro)
         self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        task.add_done_callback(self._background_done)
         return task
+
+    def _background_done(self, task: asyncio.Task) -> None:
+        """An abort to a worker that died meanwhile fails, and nothing waits on it: said at
+        debug level (asyncio's "exception was never retrieved" otherwise)."""
+        self._tasks.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.debug("%s: %r", task.get_coro().__qualname__, task.exception())
 
     async def _call(self, method, *args: Any, timeout: float | None = None) -> Any:
         return await asyncio.wait_for(
