@@ -167,8 +167,10 @@ class IncrementalDetokenizer:
         return "".join(pieces)
 
     def flush(self) -> str:
-        """Whatever text is still held back, once no more tokens will come."""
-        return self._advance(final=True)
+        """Whatever text is still held back, once no more tokens will come, less the bytes of
+        a character the tokens stopped inside (max_tokens cut it): those decode to U+FFFD,
+        which is no text the model wrote."""
+        return self._advance(final=True).rstrip("\ufffd")
 
     def _advance(self, final: bool) -> str:
         decode = self.tokenizer.decode

@@ -224,17 +224,20 @@ class Simulation:
         run.sent_at = self.now
         num_prompt, num_output = len(run.request.prompt_ids), run.request.output_len
         self.sent.append((self.now, num_prompt, num_output))
-        # The server's check (coordinator/api/prompts.py): a worker's context is at most its
-        # KV pool, since one sequence alone must always fit (preempting could not make room).
+        # The server's check (protocol/limits.py, coordinator/api/prompts.py): a worker's
+        # context is at most its KV pool, since one sequence alone must always fit (preempting
+        # could not make room); a prompt that fills it is refused, an output stops at its end.
         engine = self.scenario.deployment.engine
         context = engine.num_blocks * engine.block_size
-        if num_prompt + num_output > context:
+        if num_prompt >= context:
             self._done(
                 run,
-                f"HTTP 400 Bad Request: this model's context holds {context} tokens: the prompt "
-                f"has {num_prompt} and max_tokens asks for {num_output} more",
+                f"HTTP 400 Bad Request: the prompt has {num_prompt} tokens; this server serves "
+                f"at most {context} tokens of context, prompt and output together",
             )
             return
+        if num_prompt + num_output > context:
+            run.request = run.request._replace(output_len=context - num_prompt)
         self.at(self.now + self.scenario.overheads.dispatch, self._place, run)
 
     def _done(self, run: Run, error: str | None = None) -> None:

@@ -14,6 +14,7 @@ and metrics. `create_app(client, settings)` is all a server (or a test) needs.
 
 from __future__ import annotations
 
+import importlib.metadata
 import secrets
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -38,7 +39,8 @@ from coordinator.api.responses import (
     TokenizeResponse,
 )
 
-OPEN_PATHS = frozenset({"/health", "/ready", "/metrics"})  # probes and scrapers carry no key
+# Probes and scrapers carry no key (/ping and /version: vLLM's, which load balancers call).
+OPEN_PATHS = frozenset({"/health", "/ping", "/ready", "/metrics", "/version"})
 
 router = APIRouter()
 
@@ -135,8 +137,17 @@ class ApiKeyCheck:
 
 
 @router.get("/health")
+@router.api_route("/ping", methods=["GET", "POST"])
 async def health() -> dict:
     return {"status": "ok"}
+
+
+@router.get("/version")
+async def version() -> dict:
+    try:
+        return {"version": importlib.metadata.version("tandem")}
+    except importlib.metadata.PackageNotFoundError:  # run from a checkout, not installed
+        return {"version": "unknown"}
 
 
 @router.get("/ready")

@@ -10,7 +10,15 @@ from fastapi.responses import JSONResponse, Response
 
 from coordinator.api.context import ServerContext, context_of
 from coordinator.api.errors import invalid
-from coordinator.api.generation import Job, Outputs, complete_job, job_usage, plan_job, stream_job
+from coordinator.api.generation import (
+    Job,
+    Outputs,
+    choice_usage,
+    complete_job,
+    job_usage,
+    plan_job,
+    stream_job,
+)
 from coordinator.api.logprobs import all_logprobs, chat_logprobs, new_logprobs
 from coordinator.api.prompts import build_params, chat_prompt
 from coordinator.api.protocol import ChatCompletionRequest
@@ -126,7 +134,12 @@ def _tool_call_choice(
 async def _chunks(
     ctx: ServerContext, job: Job, body: ChatCompletionRequest, outputs: Outputs
 ) -> AsyncIterator[ChatCompletionChunk | bytes]:
+    latest: dict[int, RequestOutput] = {}
+    continuous = body.continuous_usage  # every chunk with its choice's usage so far
+
     def chunk(choices: list[ChatChunkChoice], usage: Usage | None = None) -> ChatCompletionChunk:
+        if continuous and usage is None:
+            usage = choice_usage(job, choices[0].index, latest.get(choices[0].index))
         return ChatCompletionChunk(
             id=job.request_id, created=job.created, model=job.model, choices=choices, usage=usage
         )
@@ -138,7 +151,6 @@ async def _chunks(
     def text_chunk(index: int, text: str) -> ChatCompletionChunk:
         return chunk([ChatChunkChoice(index=index, delta=Delta(content=text))])
 
-    latest: dict[int, RequestOutput] = {}
     plain = TextFrames(text_chunk)  # chunks of text alone, framed fast
     # Each choice's tool-call parser, when the reply may hold calls: text goes on as it comes,
     # a call once its closing tag has come (coordinator/api/tool_calls.py).
@@ -166,7 +178,7 @@ async def _chunks(
                 continue
         if not (text or out.finished or logprobs):
             continue  # text held back (a stop string or a tool call may be starting)
-        if logprobs is None and not out.finished:  # the common chunk: text alone
+        if logprobs is None and not out.finished and not continuous:  # the common chunk
             yield plain.frame(index, text)
             continue
         finish_reason = out.finish_reason

@@ -9,7 +9,15 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
 from coordinator.api.context import ServerContext, context_of
-from coordinator.api.generation import Job, Outputs, complete_job, job_usage, plan_job, stream_job
+from coordinator.api.generation import (
+    Job,
+    Outputs,
+    choice_usage,
+    complete_job,
+    job_usage,
+    plan_job,
+    stream_job,
+)
 from coordinator.api.logprobs import all_logprobs, completion_logprobs, new_logprobs
 from coordinator.api.prompts import build_params, completion_prompts
 from coordinator.api.protocol import CompletionRequest
@@ -77,17 +85,24 @@ def _choice(
 async def _chunks(
     ctx: ServerContext, job: Job, body: CompletionRequest, outputs: Outputs, echoes: list[str]
 ) -> AsyncIterator[Completion | bytes]:
+    latest: dict[int, RequestOutput] = {}
+    continuous = body.continuous_usage  # every chunk with its choice's usage so far
+
     def chunk(choice: CompletionChoice) -> Completion:
-        return Completion(id=job.request_id, created=job.created, model=job.model, choices=[choice])
+        usage = choice_usage(job, choice.index, latest.get(choice.index)) if continuous else None
+        return Completion(
+            id=job.request_id, created=job.created, model=job.model, choices=[choice], usage=usage
+        )
 
     def text_chunk(index: int, text: str) -> Completion:
         return chunk(CompletionChoice(index=index, text=text))
 
-    latest: dict[int, RequestOutput] = {}
     offsets: dict[int, int] = {}  # text characters sent per choice, for logprobs' text_offset
     plain = TextFrames(text_chunk)  # chunks of text alone, framed fast
     for c in job.choices:  # echo: each choice opens with its prompt's text
-        if echoes[c.prompt_index]:
+        if echoes[c.prompt_index] and continuous:
+            yield text_chunk(c.index, echoes[c.prompt_index])
+        elif echoes[c.prompt_index]:
             yield plain.frame(c.index, echoes[c.prompt_index])
     async for index, out in outputs:
         latest[index] = out
@@ -98,7 +113,7 @@ async def _chunks(
             offsets[index] = offset + sum(len(t) for t in logprobs.tokens)
         if not (out.delta_text or out.finished or logprobs):
             continue  # text held back (a stop string may be starting): nothing to say yet
-        if logprobs is None and not out.finished:  # the common chunk: text alone
+        if logprobs is None and not out.finished and not continuous:  # the common chunk
             yield plain.frame(index, out.delta_text)
             continue
         choice = CompletionChoice(

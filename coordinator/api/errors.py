@@ -7,6 +7,7 @@ unknown routes) into the same shape, so a client parses every error the same way
 from __future__ import annotations
 
 import logging
+import re
 from http import HTTPStatus
 
 from fastapi import FastAPI, Request
@@ -84,14 +85,35 @@ def as_api_error(err: Exception) -> ApiError:
     return ApiError(500, f"internal error: {type(err).__name__}: {err}", code="internal_error")
 
 
-def describe_validation(err: RequestValidationError) -> ApiError:
+# What pydantic puts in an error's location besides field names: the member of a union it
+# tried ("str", "literal['none','auto']", "function-after[...]", a model's class name) and
+# "[key]" for a mapping's key. Clients want the field: `stop`, not `stop.str`.
+_UNION_MEMBER = re.compile(r"^([a-z][a-z0-9_-]*\[.*\]|\[key\]|str|int|float|bool|none|[A-Z]\w*)$")
+
+
+def param_path(location: tuple) -> list[str]:
+    """The field a validation error is about, without pydantic's own steps: `messages.0.content`
+    where pydantic says `body.messages.0.content.str`."""
+    return [
+        str(part)
+        for part in location
+        if part != "body" and (isinstance(part, int) or not _UNION_MEMBER.match(part))
+    ]
+
+
+def describe_validation(err: RequestValidationError, content_type: str = "") -> ApiError:
     """The first of pydantic's complaints as one 400 that names the parameter."""
     first = err.errors()[0]
-    location = [str(part) for part in first.get("loc", ()) if part != "body"]
+    location = param_path(tuple(first.get("loc", ())))
     param = ".".join(location) or (first.get("ctx") or {}).get("param")
     if first.get("type") == "json_invalid":
         return ApiError(400, "the request body is not valid JSON", code="invalid_json")
     if first.get("type") in ("model_attributes_type", "dict_type") and not location:
+        if not content_type.startswith("application/json"):
+            return invalid(
+                "the request body must be JSON sent with 'Content-Type: application/json' "
+                f"(this one came as {content_type or 'no content type'!r})"
+            )
         return invalid("the request body must be a JSON object")
     if first.get("type") == "extra_forbidden" and param is not None:
         return unsupported(param)
@@ -108,7 +130,8 @@ def install_error_handlers(app: FastAPI) -> None:
         return err.response()
 
     async def on_validation(request: Request, err: RequestValidationError) -> JSONResponse:
-        return describe_validation(err).response()
+        content_type = request.headers.get("content-type", "").lower()
+        return describe_validation(err, content_type).response()
 
     async def on_http(request: Request, err: HTTPException) -> JSONResponse:
         message = err.detail if isinstance(err.detail, str) else HTTPStatus(err.status_code).phrase

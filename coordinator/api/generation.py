@@ -141,6 +141,17 @@ async def _disconnected(request: Request) -> None:
         pass
 
 
+def choice_usage(job: Job, index: int, out: RequestOutput | None) -> Usage:
+    """vLLM's continuous usage, on a chunk of choice `index`: its prompt and its output so far."""
+    prompt_tokens = len(job.prompts[job.choices[index].prompt_index])
+    completion_tokens = 0 if out is None else len(out.token_ids)
+    return Usage(
+        prompt_tokens=prompt_tokens,
+        completion_tokens=completion_tokens,
+        total_tokens=prompt_tokens + completion_tokens,
+    )
+
+
 def job_usage(job: Job, latest: dict[int, RequestOutput]) -> Usage:
     """Each prompt counts once, however many choices it has; every choice's output counts."""
     prompt_tokens = sum(len(p) for p in job.prompts)

@@ -42,22 +42,23 @@ def build_params(
     logprobs: int | None,
     names: dict[str, str],
 ) -> SamplingParams:
-    """SamplingParams for one prompt; `max_tokens` None means whatever context is left.
+    """SamplingParams for one prompt; `max_tokens` None means whatever context is left, and
+    no more than that is ever given.
     `names` maps SamplingParams' names to the request's (chat says max_completion_tokens)."""
     try:
         client.check_request(prompt_ids)
     except RequestError as err:
         raise invalid(str(err), param=names.get("prompt", "prompt")) from err
     room = client.max_model_len - len(prompt_ids)
-    if max_tokens is None:
-        max_tokens = room
-    elif max_tokens > room:
+    if max_tokens is not None and max_tokens > client.max_model_len:
         raise invalid(
-            f"this model's context holds {client.max_model_len} tokens: the prompt has "
-            f"{len(prompt_ids)} and {names.get('max_tokens', 'max_tokens')} asks for "
-            f"{max_tokens} more",
+            f"{names.get('max_tokens', 'max_tokens')} is {max_tokens}, more than this "
+            f"model's context ({client.max_model_len} tokens)",
             param=names.get("max_tokens", "max_tokens"),
         )
+    # As vLLM does: the output stops where the context ends ("length"), whatever was asked
+    # (a chat client with a fixed max_tokens and a growing history gets shorter replies).
+    max_tokens = room if max_tokens is None else min(max_tokens, room)
     try:
         params = SamplingParams(
             max_tokens=max_tokens, logprobs=logprobs, **_sampling_fields(request)

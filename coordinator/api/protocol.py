@@ -16,6 +16,12 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
+from engine.tokenizer import RESERVED_TEMPLATE_KWARGS
+
+# Names a request's chat_template_kwargs may not take: the template call's own arguments, and
+# those of the functions that hand the options on.
+TEMPLATE_ARGUMENTS = RESERVED_TEMPLATE_KWARGS | {"messages", "tokenizer"}
+
 # Parameters we do not implement, and the values that ask for nothing.
 NEUTRAL_VALUES: dict[str, tuple[Any, ...]] = {
     "suffix": (None, ""),
@@ -66,6 +72,10 @@ def _drop_neutral(data: Any, neutral_values: dict[str, tuple[Any, ...]]) -> Any:
 
 class StreamOptions(_Strict):
     include_usage: bool = False
+    # vLLM's: with include_usage, every chunk also carries its choice's usage so far.
+    continuous_usage_stats: bool = False
+    # OpenAI pads chunks against length side channels when this is on; tandem never pads.
+    include_obfuscation: bool | None = None
 
 
 class SamplingRequest(_Strict):
@@ -93,6 +103,9 @@ class SamplingRequest(_Strict):
     user: str | None = None  # an end-user id for the client's own records; kept, never used
     store: bool | None = None  # OpenAI's stored completions: nothing is stored here
     metadata: dict[str, str] | None = None  # tags for stored completions: unused
+    safety_identifier: str | None = None  # OpenAI's successor to `user`: kept, never used
+    # OpenAI's hint for routing to a prompt cache: tandem's prefix cache needs none.
+    prompt_cache_key: str | None = None
 
     @model_validator(mode="before")
     @classmethod
@@ -111,6 +124,10 @@ class SamplingRequest(_Strict):
     @property
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
+
+    @property
+    def continuous_usage(self) -> bool:
+        return self.include_usage and self.stream_options.continuous_usage_stats
 
 
 Prompt = str | list[str] | list[int] | list[list[int]]
@@ -251,6 +268,16 @@ class TemplateOptions(_Strict):
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
     reasoning_effort: Literal["minimal", "low", "medium", "high"] | None = None  # to the template
+
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _not_reserved(cls, kwargs: dict[str, Any] | None) -> dict[str, Any] | None:
+        taken = sorted(TEMPLATE_ARGUMENTS.intersection(kwargs or {}))
+        if taken:
+            raise PydanticCustomError(
+                "reserved", "chat_template_kwargs may not set {names}", {"names": ", ".join(taken)}
+            )
+        return kwargs
 
     def template_options(self) -> dict[str, Any]:
         options: dict[str, Any] = dict(self.chat_template_kwargs or {})

@@ -379,20 +379,23 @@ def test_no_live_decode_worker_fails_requests_instead_of_hanging():
 
 @pytest.mark.parametrize("deployment", [(0, 1), (1, 1)])
 def test_a_request_longer_than_the_context_is_a_400_not_a_hang(deployment):
-    # 64 blocks of 16: a context of 1,024 tokens. The server refuses more (prompt plus
-    # max_tokens), as coordinator/api/prompts.py does; the simulator used to run forever.
+    # 64 blocks of 16: a context of 1,024 tokens. As the server does (protocol/limits.py,
+    # coordinator/api/prompts.py), a prompt that fills it is refused and an output stops at its
+    # end; the simulator used to run such requests forever.
     requests = [
-        SimRequest(0.0, prompt(1000, 1 << 20), 25),  # 1,025 tokens
-        SimRequest(0.0, prompt(1000, 1 << 21), 24),  # exactly the context: served
+        SimRequest(0.0, prompt(1024, 1 << 20), 5),  # no room for one output token
+        SimRequest(0.0, prompt(1000, 1 << 21), 25),  # 1,025 tokens: 24 of its output fit
+        SimRequest(0.0, prompt(1000, 1 << 22), 24),  # exactly the context: served
     ]
     sim = Simulation(scenario(*deployment, num_blocks=64), requests, LoadConfig(max_duration_s=60))
     outcome = sim.run()
-    too_long, fits = outcome.runs
+    too_long, cut, fits = outcome.runs
     assert too_long.error == (
-        "HTTP 400 Bad Request: this model's context holds 1024 tokens: the prompt has 1000 "
-        "and max_tokens asks for 25 more"
+        "HTTP 400 Bad Request: the prompt has 1024 tokens; this server serves at most 1024 "
+        "tokens of context, prompt and output together"
     )
     assert not too_long.token_times
+    assert cut.error is None and len(cut.token_times) == 24
     assert fits.error is None and len(fits.token_times) == 24
     assert_nothing_held(sim)
 

@@ -110,7 +110,7 @@ BAD_REQUESTS = [
     ("/v1/completions", {"prompt": "hi", "best_of": 3}, 400, "best_of"),
     ("/v1/completions", {"prompt": "hi", "logit_bias": {"5": 101}}, 400, "logit_bias"),
     ("/v1/completions", {"prompt": "hi", "logit_bias": {"100000": 1}}, 400, "logit_bias"),
-    ("/v1/completions", {"prompt": "hi", "logit_bias": {"x": 1}}, 400, "logit_bias.x.[key]"),
+    ("/v1/completions", {"prompt": "hi", "logit_bias": {"x": 1}}, 400, "logit_bias.x"),
     ("/v1/completions", {"prompt": "hi", "frobnicate": 1}, 400, "frobnicate"),
     ("/v1/completions", {"prompt": "hi", "model": "gpt-4"}, 404, "model"),
     ("/v1/chat/completions", {"messages": []}, 400, "messages"),
@@ -136,6 +136,18 @@ BAD_REQUESTS = [
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
                               "model": "gpt-4"}, 404, "model"),
     ("/detokenize", {"tokens": [10**9]}, 400, "tokens"),
+    # The field, not pydantic's steps through a union ("stop.str", "tool_choice.literal[...]").
+    ("/v1/completions", {"prompt": "hi", "stop": [1]}, 400, "stop"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
+                              "tool_choice": "sometimes"}, 400, "tool_choice"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": 5}]}, 400,
+     "messages.0.content"),
+    # Names the functions that hand the options on take themselves (was a 500).
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
+                              "chat_template_kwargs": {"messages": []}}, 400,
+     "chat_template_kwargs"),
+    ("/tokenize", {"messages": [{"role": "user", "content": "x"}],
+                   "chat_template_kwargs": {"tokenizer": None}}, 400, "chat_template_kwargs"),
 ]  # fmt: skip
 
 
@@ -251,3 +263,61 @@ def test_tokenize_round_trip(http) -> None:
 def test_health_and_readiness(http) -> None:
     assert http.get("/health").json() == {"status": "ok"}
     assert http.get("/ready").json() == {"status": "ready"}
+
+
+def test_json_sent_without_its_content_type_is_told_so(http) -> None:
+    body = json.dumps({"prompt": "hi", "max_tokens": 1})
+    response = http.post("/v1/completions", content=body, headers={"content-type": "text/plain"})
+    message = assert_error(response, 400)["message"]
+    assert "Content-Type: application/json" in message and "text/plain" in message
+
+
+def test_an_output_past_the_context_stops_at_its_end(http) -> None:
+    """As vLLM does: a prompt plus max_tokens over the context is served, and stops where the
+    context ends ("length"); max_tokens over the whole context is still a 400 (above)."""
+    prompt = list(range(3, 300)) + list(range(3, 200))  # 494 tokens of the 512
+    for path, extra in (("/v1/completions", {"prompt": prompt, "max_tokens": 100}),
+                        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
+                                                  "max_completion_tokens": 512})):  # fmt: skip
+        body = {**extra, "temperature": 0, "ignore_eos": True}
+        reply = http.post(path, json=body).json()
+        usage = reply["usage"]
+        assert usage["prompt_tokens"] + usage["completion_tokens"] == 512, reply
+        assert reply["choices"][0]["finish_reason"] == "length"
+
+
+def test_continuous_usage_stats_put_usage_on_every_chunk(http) -> None:
+    for path, extra in (("/v1/completions", {"prompt": "The quick", "n": 2}),
+                        ("/v1/chat/completions", {"messages": [{"role": "user",
+                                                                "content": "hi"}]})):  # fmt: skip
+        options = {"include_usage": True, "continuous_usage_stats": True}
+        body = {**extra, "max_tokens": 4, "temperature": 0, "ignore_eos": True, "stream": True,
+                "stream_options": options}  # fmt: skip
+        with http.stream("POST", path, json=body) as response:
+            chunks = [json.loads(d) for d in events(response)[:-1]]
+        *per_choice, last = chunks
+        prompt_tokens = last["usage"]["prompt_tokens"]  # one prompt, counted once
+        seen: dict[int, int] = {}
+        for chunk in per_choice:
+            [choice] = chunk["choices"]
+            usage = chunk["usage"]
+            assert usage["prompt_tokens"] == prompt_tokens
+            assert usage["total_tokens"] == prompt_tokens + usage["completion_tokens"]
+            assert usage["completion_tokens"] >= seen.get(choice["index"], 0)  # so far
+            seen[choice["index"]] = usage["completion_tokens"]
+        assert seen == {i: 4 for i in range(extra.get("n", 1))}
+        assert last["choices"] == [] and last["usage"]["completion_tokens"] == 4 * len(seen)
+
+
+def test_probes_clients_send_to_vllm(http) -> None:
+    assert http.get("/ping").json() == http.post("/ping").json() == {"status": "ok"}
+    assert isinstance(http.get("/version").json()["version"], str)
+
+
+def test_bookkeeping_fields_of_newer_clients_are_accepted(http) -> None:
+    body = {"prompt": "hi", "max_tokens": 1, "prompt_cache_key": "user-7",
+            "safety_identifier": "hash-of-user", "stream": True,
+            "stream_options": {"include_usage": True, "include_obfuscation": False}}  # fmt: skip
+    with http.stream("POST", "/v1/completions", json=body) as response:
+        assert response.status_code == 200
+        assert events(response)[-1] == "[DONE]"
