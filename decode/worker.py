@@ -31,7 +31,7 @@ from concurrent.futures import Future
 
 from decode.publisher import UpdatePublisher
 from engine.block_manager import slots_of
-from engine.engine import LLMEngine
+from engine.engine import LLMEngine, Reservation
 from engine.engine_thread import EngineThread
 from kvtransfer.receiver import Arrived, KVReceiver, Leg, ReceiveEvent, TransferFailed
 from kvtransfer.transport import Rendezvous, Transport
@@ -171,6 +171,23 @@ class DecodeWorker:
         )
         if reservation is None:
             return None
+        try:
+            return self._expect(request, reservation, prefill_id, broken_key, prefill_tp)
+        except Exception:  # nothing would ever free the blocks of a reservation without a lease
+            self._forget(request.request_id)
+            self._leases.pop(request.request_id, None)
+            self.engine.release(request.request_id)
+            raise
+
+    def _expect(
+        self,
+        request: WorkRequest,
+        reservation: Reservation,
+        prefill_id: str,
+        broken_key: str | None,
+        prefill_tp: int,
+    ) -> Ticket:
+        """The ticket for a reservation made, once every rank expects its KV."""
         num_tokens = len(request.prompt_ids) + len(request.output_ids)
         key = self.receiver.channel_key(prefill_id, broken_key)
         bs = self.engine.config.block_size
@@ -193,14 +210,8 @@ class DecodeWorker:
             request.request_id, key, slots, reservation.num_cached_tokens, self.verify_kv, legs
         )
         self._leases[request.request_id] = time.monotonic() + self.transfer_timeout
-        if self.ranks is not None:
-            try:  # each rank expects its heads before the ticket leaves
-                self.ranks.call(["expect", ticket, slots])
-            except Exception:
-                self._forget(request.request_id)
-                self._leases.pop(request.request_id, None)
-                self.engine.release(request.request_id)
-                raise
+        if self.ranks is not None:  # each rank expects its heads before the ticket leaves
+            self.ranks.call(["expect", ticket, slots])
         return ticket
 
     def _add_local(self, request: WorkRequest) -> None:

@@ -192,3 +192,28 @@ def test_an_arrival_the_engine_cannot_admit_fails_alone_and_frees_its_blocks(
         decode.shutdown()
         for transport in transports:
             close_transport(transport)
+
+
+def test_a_reservation_that_fails_after_taking_blocks_gives_them_back(
+    tiny_llama, monkeypatch
+) -> None:
+    """The blocks were taken, then expecting the KV raised (a receiver that cannot start its
+    thread, a rank that does not answer): the reserve fails and frees them; before, the blocks
+    stayed with a reservation that had no lease, so nothing ever freed them."""
+    config = engine_config(tiny_llama, num_kv_blocks=64)
+    transport = transport_named("gloo")
+    decode = DecodeWorker("d-expect", LLMEngine(config), transport, transfer_timeout=5.0)
+
+    def cannot_expect(*args, **kwargs):
+        raise RuntimeError("can't start new thread")
+
+    monkeypatch.setattr(decode.receiver, "expect", cannot_expect)
+    try:
+        future = decode.reserve(WorkRequest("r", list(range(3, 40)), GREEDY), "p-0")
+        with pytest.raises(RuntimeError, match="can't start new thread"):
+            future.result(TIMEOUT)
+        assert decode.engine.blocks.num_free_blocks == 64 and not decode.engine.reserved
+        assert decode.stats().result(TIMEOUT).num_running == 0
+    finally:
+        decode.shutdown()
+        close_transport(transport)
