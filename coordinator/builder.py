@@ -156,6 +156,7 @@ def build_client(engine: EngineConfig, deploy: DeployConfig) -> Coordinator:
         ranks=spawner.worker_ranks.__getitem__,
         planner=planner,
         request_capacity=spawner.request_capacity,
+        room_for=spawner.room_for,
     )
 
 
@@ -420,6 +421,32 @@ class WorkerSpawner:
                 f"the pools need {wanted} but this machine has {owned}: lower "
                 f"--prefill-workers / --decode-workers{share} (or use --device cpu)"
             )
+
+    def room_for(self, more: dict[str, int]) -> str | None:
+        """Why `more` workers per pool cannot start on a cluster tandem started itself (not
+        enough memory or GPUs left on this machine), or None. A joined cluster may grow (its
+        autoscaler): there, workers Ray cannot place fail their start at the deadline."""
+        if self.deploy.address is not None:
+            return None
+        count = sum(more.values())
+        if self.engine.device.startswith("cuda"):
+            ranks = sum(n * self.tensor_parallel(pool) for pool, n in more.items())
+            wanted = ranks * self.deploy.gpus_per_worker
+            free = ray.available_resources().get("GPU", 0.0)
+            if wanted > free + 1e-9:
+                return f"{count} more workers need {wanted:g} GPUs and {free:g} are free"
+            return None
+        needed = sum(
+            n * worker_bytes(replace(self.engine, tensor_parallel_size=self.tensor_parallel(pool)))
+            for pool, n in more.items()
+        )
+        available = _available_memory()
+        if available is not None and needed > available:
+            return (
+                f"{count} more workers need about {needed / 2**30:.1f} GiB (weights, KV cache, "
+                f"runtime) and this machine has {available / 2**30:.1f} GiB available"
+            )
+        return None
 
     def unplaced(self, workers: dict[str, Any]) -> str | None:
         """Which workers Ray has not placed yet, and what they ask for; None when all are

@@ -38,7 +38,7 @@ from coordinator.router import (
     prefix_hashes,
     queued_tokens,
 )
-from coordinator.supervisor import Spawn, Supervisor, SupervisorConfig, WorkerEntry
+from coordinator.supervisor import Spawn, Supervisor, SupervisorConfig, WorkerEntry, WorkerState
 from coordinator.telemetry import TelemetryStore
 from coordinator.update_server import UpdateServer
 from engine.outputs import RequestOutput, read_stream
@@ -99,6 +99,7 @@ class Coordinator:
         ranks: Callable[[str], int] | None = None,  # a worker's tensor-parallel ranks (1)
         planner: PlannerSetup | None = None,  # the SLO planner's loop (coordinator/planner_loop)
         request_capacity: Callable[[int], None] | None = None,  # asks an autoscaler for room
+        room_for: Callable[[dict[str, int]], str | None] | None = None,  # see scale
     ) -> None:
         self.model_name = model_name
         self.ranks = ranks or (lambda worker_id: 1)
@@ -142,6 +143,7 @@ class Coordinator:
         self._ids = itertools.count()
         self._started: asyncio.Future | None = None
         self._unplaced = unplaced
+        self._room_for = room_for  # why this many more workers per pool cannot start, or None
         self._closing = False
         seen = LoopSettings() if planner is None else planner.settings
         self.window = LoadWindow(seen.window_s, seen.percentile)  # the traffic the planner sees
@@ -224,10 +226,13 @@ class Coordinator:
                 raise PoolError(f"no pool {pool!r}; this server has {', '.join(sorted(known))}")
             if size < (0 if pool == "prefill" else 1):
                 raise PoolError(f"the {pool} pool needs at least {int(pool != 'prefill')} worker")
-        if self.supervisor.spawn is None and any(
-            size > self.supervisor.pools[pool].target for pool, size in sizes.items()
-        ):
+        more = {p: n - self.supervisor.pools[p].target for p, n in sizes.items()}
+        more = {p: n for p, n in more.items() if n > 0}
+        if more and self.supervisor.spawn is None:
             raise PoolError("this server cannot start workers (no spawner)")
+        problem = self._room_for(more) if more and self._room_for is not None else None
+        if problem is not None:
+            raise PoolError(problem)
         for pool, size in sizes.items():
             self.supervisor.scale(pool, size)
 
@@ -244,6 +249,8 @@ class Coordinator:
         entry = self.supervisor.workers[worker_id]
         if entry.pool == role:
             return 0.0
+        if entry.state is not WorkerState.SERVING:  # a drain or a switch is under way
+            raise PoolError(f"worker {worker_id} is {entry.state.value}, not serving")
         if {entry.pool, role} != {"prefill", "decode"}:
             raise PoolError(f"a {entry.pool} worker cannot become a {role} worker")
         if entry.pool == "decode" and len(self.supervisor.serving("decode")) < 2:

@@ -69,7 +69,8 @@ class _PoolRecord:
     restarts: int = 0  # replacements started for retired workers
     recent: deque[float] = field(default_factory=deque)  # monotonic times of restarts
     failed_starts: int = 0  # in a row; sets the backoff
-    starting: int = 0
+    starting: int = 0  # start tasks: waiting to spawn, or waiting for their worker to load
+    queued: int = 0  # of those, the ones not spawned yet (a spawned one is a STARTING worker)
 
 
 class Supervisor:
@@ -199,13 +200,15 @@ class Supervisor:
             return
         was_serving = entry.state in (WorkerState.SERVING, WorkerState.DRAINING)
         entry.state = WorkerState.DEAD
-        log.error("worker %s is out of service: %s", worker_id, reason)
+        if replace:
+            log.error("worker %s is out of service: %s", worker_id, reason)
+        else:
+            log.info("worker %s left its pool: %s", worker_id, reason)
         if was_serving:
             self.on_leave(entry, reason)
         self._kill(worker_id, entry.handle)
         del self.workers[worker_id]
-        if not replace:
-            self.pools[entry.pool].target -= 1
+        # A drained worker's pool was made smaller when it began draining: nothing to refill.
         self._fill(entry.pool, replacing=replace)
 
     def begin_switch(self, worker_id: str) -> None:
@@ -223,9 +226,13 @@ class Supervisor:
         the pool shrinks by one (KeyError for an unknown worker)."""
         entry = self.workers[worker_id]
         if entry.state is WorkerState.SERVING:
-            entry.state = WorkerState.DRAINING
-            self.on_leave(entry, "draining")
+            self.pools[entry.pool].target -= 1
+            self._drain(entry)
         return entry
+
+    def _drain(self, entry: WorkerEntry) -> None:
+        entry.state = WorkerState.DRAINING
+        self.on_leave(entry, "draining")
 
     def scale(self, pool: str, size: int) -> None:
         """Sets a pool's target size: starts workers, or drains the newest extra ones."""
@@ -238,32 +245,42 @@ class Supervisor:
         ]
         for entry in reversed(live[size:]):
             if entry.state is WorkerState.SERVING:
-                self.drain(entry.worker_id)
+                self._drain(entry)  # the target is `size` already
         self._fill(pool, replacing=False)
+
+    def _live(self, pool: str) -> int:
+        """The pool's workers serving or on their way to it (loading, or switching roles)."""
+        return sum(
+            1
+            for w in self.workers.values()
+            if w.pool == pool and w.state in (WorkerState.SERVING, WorkerState.STARTING)
+        )
 
     def _fill(self, pool: str, replacing: bool) -> None:
         record = self.pools[pool]
         if self.spawn is None or self._closed:
             return
-        live = sum(
-            1
-            for w in self.workers.values()
-            if w.pool == pool and w.state in (WorkerState.SERVING, WorkerState.STARTING)
-        )
-        for _ in range(record.target - live - record.starting):
+        for _ in range(record.target - self._live(pool) - record.queued):
             record.starting += 1
+            record.queued += 1
             self._spawn_task(self._start_one(pool, record, replacing))
 
     async def _start_one(self, pool: str, record: _PoolRecord, replacing: bool) -> None:
+        queued = True
         try:
             while not self._closed:
                 await asyncio.sleep(self._delay(record))
+                if self._live(pool) + record.queued - 1 >= record.target:
+                    return  # the pool shrank while this start waited: it is not needed
                 if self._start_allowed(record):
+                    record.queued, queued = record.queued - 1, False
                     if await self._try_start(pool, record, replacing):
                         return
                     record.failed_starts += 1
+                    record.queued, queued = record.queued + 1, True
         finally:
             record.starting -= 1
+            record.queued -= queued
 
     def _delay(self, record: _PoolRecord) -> float:
         if record.failed_starts == 0 and not record.recent:

@@ -36,11 +36,14 @@ class PlannerMode(BaseModel):
     mode: Literal["on", "dry-run", "off"]
 
 
+MAX_POOL_SIZE = 1024  # workers one pool may be asked for: past any real cluster, still a bound
+
+
 class PoolSizes(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    prefill: int | None = Field(None, ge=0)
-    decode: int | None = Field(None, ge=0)
-    colocated: int | None = Field(None, ge=0)
+    model_config = ConfigDict(extra="forbid", strict=True)  # "2" and true are no counts
+    prefill: int | None = Field(None, ge=0, le=MAX_POOL_SIZE)
+    decode: int | None = Field(None, ge=0, le=MAX_POOL_SIZE)
+    colocated: int | None = Field(None, ge=0, le=MAX_POOL_SIZE)
 
 
 @router.get("/pools")

@@ -171,3 +171,22 @@ def test_workers_sharing_a_gpu_fit_on_one(monkeypatch) -> None:
     WorkerSpawner(engine, DeployConfig(gpus_per_worker=0.5)).check_room()
     with pytest.raises(ConfigError, match=r"need 2 GPU .* has 1 GPU.*--gpus-per-worker"):
         WorkerSpawner(engine, DeployConfig()).check_room()
+
+
+def test_growth_is_checked_against_this_machines_room(monkeypatch, tiny_llama) -> None:
+    """The admin API's growth on a cluster tandem started: GPUs free, or memory available; a
+    joined cluster may grow, so nothing is refused there."""
+    import coordinator.builder as builder
+
+    monkeypatch.setattr(ray, "cluster_resources", lambda: {"CPU": 16.0, "GPU": 2.0})
+    monkeypatch.setattr(ray, "available_resources", lambda: {"CPU": 14.0, "GPU": 1.0})
+    gpu = WorkerSpawner(EngineConfig(model=tiny_llama, device="cuda"), DeployConfig())
+    assert gpu.room_for({"decode": 1}) is None
+    assert gpu.room_for({"decode": 2}) == "2 more workers need 2 GPUs and 1 are free"
+    cpu = WorkerSpawner(EngineConfig(model=tiny_llama), DeployConfig())
+    one = builder.worker_bytes(cpu.engine)
+    monkeypatch.setattr(builder, "_available_memory", lambda: int(2.5 * one))
+    assert cpu.room_for({"decode": 2}) is None
+    assert "3 more workers need about" in cpu.room_for({"decode": 2, "prefill": 1})
+    joined = WorkerSpawner(EngineConfig(model=tiny_llama), DeployConfig(address="auto"))
+    assert joined.room_for({"decode": 1000}) is None

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable, Coroutine
+from dataclasses import replace
 
 import pytest
 
@@ -356,5 +357,84 @@ def test_the_stats_loop_survives_a_round_that_raises(killed, monkeypatch) -> Non
             await until(lambda: bool(raised))
             calls = len(cluster.decode["decode-0"].calls["stats"])
             await until(lambda: len(cluster.decode["decode-0"].calls["stats"]) > calls + 2)
+
+    run(main())
+
+
+def test_a_pool_scaled_down_keeps_its_new_size_when_a_worker_dies(killed) -> None:
+    """Scaling 2 -> 1 drains one worker; the pool's size is then 1, not 0: the last worker's
+    death starts a replacement and readiness says the pool is short meanwhile (the drained
+    worker's departure used to lower the size a second time, and the pool stayed empty)."""
+
+    async def main() -> None:
+        cluster = FakeCluster(CONFIG, num_prefill=1, num_decode=2, spawn=True)
+        async with cluster.running() as coordinator:
+            supervisor = coordinator.supervisor
+            coordinator.scale({"decode": 1})
+            await until(lambda: "decode-1" not in supervisor.workers)  # drained, left
+            assert supervisor.pools["decode"].target == 1
+            cluster.decode["decode-0"].dead = True
+            await until(lambda: "decode-0" not in supervisor.workers)
+            await until(lambda: len(supervisor.serving("decode")) == 1)
+            assert cluster.spawned == ["decode-new0"] and coordinator.readiness() is None
+            assert await tokens_of(coordinator, "after") == OUTPUT[:8]
+            coordinator.drain("decode-new0")  # an explicit drain shrinks the pool by one
+            assert supervisor.pools["decode"].target == 0
+
+    run(main())
+
+
+def test_starts_still_waiting_when_the_pool_shrinks_are_dropped(killed) -> None:
+    """Growth held back by the restart rate (here 2 a minute), then a shrink: the starts that
+    had not begun never begin (they used to load a model, and be killed, minutes later)."""
+
+    async def main() -> None:
+        supervision = replace(SUPERVISION, max_restarts_per_minute=2)
+        cluster = FakeCluster(replace(CONFIG, supervision=supervision), num_decode=1, spawn=True)
+        async with cluster.running() as coordinator:
+            record = coordinator.supervisor.pools["decode"]
+            coordinator.scale({"decode": 6})
+            await until(lambda: len(cluster.spawned) == 2)  # the rate's worth, at once
+            assert record.queued == 3  # the others wait for the rate
+            coordinator.scale({"decode": 1})
+            await until(lambda: record.starting == 0)
+            await asyncio.sleep(0.2)
+            assert len(cluster.spawned) == 2
+
+    run(main())
+
+
+def test_a_draining_worker_cannot_switch_roles(killed) -> None:
+    async def main() -> None:
+        cluster = FakeCluster(CONFIG, num_prefill=1, num_decode=3)
+        cluster.decoder("decode-1").stall_after = 2  # keeps a request: it drains, not leaves
+        async with cluster.running() as coordinator:
+            stream = coordinator.generate(PROMPT, GREEDY, "req-0")
+            await anext(stream)
+            holder = next(w for w in ("decode-0", "decode-1", "decode-2")
+                          if cluster.decode[w].ids("reserve"))  # fmt: skip
+            coordinator.drain(holder)
+            with pytest.raises(PoolError, match="is draining, not serving"):
+                await coordinator.switch_role(holder, "prefill")
+            await stream.aclose()
+
+    run(main())
+
+
+def test_growth_the_machine_has_no_room_for_is_refused(killed) -> None:
+    async def main() -> None:
+        cluster = FakeCluster(CONFIG, num_prefill=1, num_decode=1, spawn=True)
+        async with cluster.running() as coordinator:
+            asked = []
+
+            def room_for(more: dict[str, int]) -> str | None:
+                asked.append(more)
+                return "3 more workers need about 6.0 GiB and this machine has 2.0 GiB available"
+
+            coordinator._room_for = room_for
+            with pytest.raises(PoolError, match="need about 6.0 GiB"):
+                coordinator.scale({"decode": 4, "prefill": 1})
+            assert asked == [{"decode": 3}]  # only growth is asked about
+            assert coordinator.supervisor.pools["decode"].target == 1 and not cluster.spawned
 
     run(main())

@@ -63,7 +63,7 @@ def test_pools_grow_and_shrink_over_http(cluster) -> None:
 
 
 def test_drain_and_its_errors(cluster) -> None:
-    _, http = cluster
+    fakes, http = cluster
     http.post("/admin/pools", json={"decode": 2}, headers=AUTH)
     assert wait_until(lambda: len(serving(http, "decode")) == 2, timeout=5)
     drained = http.post("/admin/workers/decode-0/drain", headers=AUTH)
@@ -71,10 +71,14 @@ def test_drain_and_its_errors(cluster) -> None:
     assert wait_until(lambda: serving(http, "decode") == ["decode-new0"], timeout=5)
     missing = http.post("/admin/workers/nobody/drain", headers=AUTH)
     assert missing.status_code == 404 and missing.json()["error"]["code"] == "worker_not_found"
-    for bad in ({"decode": 0}, {}, {"bogus": 1}, {"decode": -1}):
+    # A huge count once hung the event loop (a start task per worker) and ran the node out of
+    # memory; strings and booleans are no counts.
+    for bad in ({"decode": 0}, {}, {"bogus": 1}, {"decode": -1}, {"decode": 10**20},
+                {"decode": 1025}, {"decode": "2"}, {"decode": True}):  # fmt: skip
         reply = http.post("/admin/pools", json=bad, headers=AUTH)
         assert reply.status_code == 400, (bad, reply.text)
         assert set(reply.json()["error"]) == {"message", "type", "param", "code"}
+    assert fakes.spawned == ["decode-new0"]  # nothing started by the refused ones
 
 
 def test_a_thousand_readiness_probes_start_nothing(cluster) -> None:
