@@ -133,6 +133,8 @@ def predict(
     if obs.decode_kv_tokens:
         held = context + min(config.decode_headroom_tokens, output / 2)  # and its growth room
         cap = max(1, min(cap, int(obs.decode_kv_tokens // held)))
+    if decode < 1:  # every decode worker died (replacements on the way): nothing is served
+        return Prediction(math.inf, math.inf, rho, 0.0)
     per_worker_rate = obs.arrival_rate / decode
     n = 1.0
     for _ in range(ITERATIONS):

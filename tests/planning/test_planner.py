@@ -44,6 +44,15 @@ def test_predictions_grow_with_load_and_backlog():
     assert predict(MODEL, CONFIG, obs(0, 1, 1, 3.0), 2, 1).ttft_s < heavy.ttft_s
 
 
+def test_a_pool_with_no_decode_worker_is_predicted_to_serve_nothing():
+    """Every decode worker died, replacements on the way: the planner's tick divided by zero
+    (every 2 s, a traceback each) instead of seeing the layout serves nothing."""
+    none = predict(MODEL, CONFIG, obs(0, 1, 0, 1.0), 1, 0)
+    assert none.ttft_s == none.itl_s == math.inf
+    decision = Planner(MODEL, CONFIG).decide(obs(0, 1, 0, 1.0))
+    assert decision.decode_workers >= 1
+
+
 def test_a_prefill_heavy_load_switches_before_it_grows():
     planner = Planner(MODEL, CONFIG)
     decision = planner.decide(obs(0, 1, 3, 3.0, prompt=900, output=16))
