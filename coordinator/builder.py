@@ -116,7 +116,8 @@ def cluster_device(device: str, address: str | None) -> str:
 def build_client(engine: EngineConfig, deploy: DeployConfig) -> Coordinator:
     """Starts (or joins) Ray, places the workers, returns the Coordinator (await its ready())."""
     model = ModelConfig.from_pretrained(engine.model)
-    planner = planner_setup(engine, deploy, model.path)  # its errors before Ray starts
+    check_kv_budget(engine, deploy, model)  # these errors before Ray starts, not in every worker
+    planner = planner_setup(engine, deploy, model.path)
     late_after_s = None if planner is None else planner.planner.config.ttft_slo_s
     # Every queue knows the TTFT objective: the coordinator's line for decode room, and each
     # worker's waiting requests (past it, both serve the newest first).
@@ -158,6 +159,24 @@ def build_client(engine: EngineConfig, deploy: DeployConfig) -> Coordinator:
         request_capacity=spawner.request_capacity,
         room_for=spawner.room_for,
     )
+
+
+def check_kv_budget(engine: EngineConfig, deploy: DeployConfig, model: ModelConfig) -> None:
+    """ConfigError when `--kv-cache-memory` holds not one block of the model's KV on a rank of
+    any pool (a rank holds its share of the KV heads), before any worker finds out alone."""
+    if engine.num_kv_blocks is not None:
+        return
+    for pool in ("prefill", "decode"):
+        ranks = deploy.tensor_parallel(pool, engine.tensor_parallel_size)
+        heads = -(-model.num_kv_heads // ranks)  # a rank's share, rounded up
+        per_block = 2 * model.num_layers * engine.block_size * heads * model.head_dim
+        per_block *= DTYPE_BYTES[engine.dtype]
+        if engine.kv_cache_memory_bytes < per_block:
+            raise ConfigError(
+                f"--kv-cache-memory of {engine.kv_cache_memory_bytes} bytes holds no KV block: "
+                f"one block of {engine.block_size} tokens takes {per_block} bytes on a {pool} "
+                "worker's rank"
+            )
 
 
 def profile_path(deploy: DeployConfig, model_path: Path) -> Path:

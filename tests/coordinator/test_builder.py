@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import gc
 import os
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -190,3 +191,15 @@ def test_growth_is_checked_against_this_machines_room(monkeypatch, tiny_llama) -
     assert "3 more workers need about" in cpu.room_for({"decode": 2, "prefill": 1})
     joined = WorkerSpawner(EngineConfig(model=tiny_llama), DeployConfig(address="auto"))
     assert joined.room_for({"decode": 1000}) is None
+
+
+def test_a_kv_budget_without_room_for_one_block_is_refused_before_ray(tiny_llama) -> None:
+    from coordinator.builder import check_kv_budget
+    from engine.config import ModelConfig
+
+    model = ModelConfig.from_pretrained(tiny_llama)
+    small = EngineConfig(model=tiny_llama, kv_cache_memory_bytes=1024, dtype="float32")
+    with pytest.raises(ConfigError, match="--kv-cache-memory of 1024 bytes holds no KV block"):
+        check_kv_budget(small, DeployConfig(), model)
+    check_kv_budget(replace(small, kv_cache_memory_bytes=1 << 20), DeployConfig(), model)
+    check_kv_budget(replace(small, num_kv_blocks=8), DeployConfig(), model)  # blocks, not bytes
