@@ -24,6 +24,7 @@ class Admission:
         self.num_waiting = 0  # sequences admitted without output yet
         self.num_in_flight = 0  # requests admitted and not yet released
         self.draining = False
+        self.cut_off = False  # the drain's grace is over: streams end at their next output
 
     def admit(self, num_sequences: int = 1) -> Ticket:
         """A ticket for one request that fans out to `num_sequences` engine sequences (prompts
@@ -51,6 +52,12 @@ class Admission:
 
     def start_draining(self) -> None:
         self.draining = True
+
+    def end_in_flight(self) -> None:
+        """Past the drain's grace: each request still running ends at its next output, with
+        an error that says why (a stream gets it as its last event), instead of a connection
+        cut mid-body."""
+        self.cut_off = True
 
     @property
     def idle(self) -> bool:

@@ -25,6 +25,7 @@ from coordinator.api.responses import PromptTokensDetails, Usage
 from coordinator.api.sse import EventStream
 from coordinator.api.streams import closing, fan_in
 from engine.outputs import RequestOutput
+from protocol.errors import EngineDeadError
 from protocol.sampling import SamplingParams
 
 Outputs = AsyncIterator[tuple[int, RequestOutput]]
@@ -95,6 +96,8 @@ async def run_job(ctx: ServerContext, job: Job, on_output: Callable[[int], None]
     ]
     async with closing(fan_in(streams)) as merged:
         async for index, output in merged:
+            if ctx.admission.cut_off:
+                raise EngineDeadError("the server is shutting down: its grace period ended")
             on_output(index)
             yield index, output
 

@@ -26,6 +26,9 @@ log = logging.getLogger(__name__)
 # uvicorn's wait for responses still open after the drain, before it cancels them; pass it as
 # the Config's timeout_graceful_shutdown.
 CANCEL_AFTER_DRAIN_S = 1.0
+# Past the grace, how long streams get to end with their error event (at their next output)
+# before uvicorn's shutdown cuts what is left.
+END_STREAMS_S = 1.0
 
 
 class StartupInterrupted(Exception):
@@ -45,6 +48,7 @@ class DrainingServer(uvicorn.Server):
         self.admission = admission
         self.grace_s = grace_s
         self.drain_deadline: float | None = None
+        self.end_deadline: float | None = None  # set when the grace is over
 
     async def startup(self, sockets: list[socket.socket] | None = None) -> None:
         await super().startup(sockets)
@@ -78,9 +82,11 @@ class DrainingServer(uvicorn.Server):
             if self.admission.idle:
                 log.info("drained: every request in flight has finished")
                 return True
-            if time.monotonic() >= self.drain_deadline:
-                log.warning(
-                    "grace period over: cancelling %d requests", self.admission.num_in_flight
-                )
+            now = time.monotonic()
+            if self.end_deadline is None and now >= self.drain_deadline:
+                log.warning("grace period over: ending %d requests", self.admission.num_in_flight)
+                self.admission.end_in_flight()
+                self.end_deadline = now + END_STREAMS_S
+            if self.end_deadline is not None and now >= self.end_deadline:
                 return True
         return await super().on_tick(counter)

@@ -75,6 +75,23 @@ class GatedClient(WrappedClient):
                 yield output
 
 
+class SlowClient(WrappedClient):
+    """Hands each output on `delay_s` after the one before: a stream that lasts."""
+
+    def __init__(self, inner: LocalEngineClient, delay_s: float) -> None:
+        super().__init__(inner)
+        self.delay_s = delay_s
+
+    async def generate(
+        self, prompt_ids: list[int], params: SamplingParams, request_id: str
+    ) -> AsyncIterator[RequestOutput]:
+        async with closing(self.inner.generate(prompt_ids, params, request_id)) as stream:
+            async for output in stream:
+                if not request_id.startswith("ready-"):
+                    await asyncio.sleep(self.delay_s)
+                yield output
+
+
 class FailingClient(WrappedClient):
     """Every request fails as if its engine died, once `fail_after` tokens are out (and
     before it finishes): outputs that queued while the reader waited come joined

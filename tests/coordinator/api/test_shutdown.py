@@ -13,7 +13,7 @@ import pytest
 from coordinator.api.app import create_app
 from coordinator.api.server import CANCEL_AFTER_DRAIN_S, DrainingServer
 from tests.support.servers import ServerThread, local_client, wait_until
-from tests.support.wrapped_clients import FailingClient, GatedClient
+from tests.support.wrapped_clients import FailingClient, GatedClient, SlowClient
 
 STREAM = {"prompt": [5, 6, 7], "max_tokens": 8, "temperature": 0, "ignore_eos": True,
           "stream": True}  # fmt: skip
@@ -63,6 +63,25 @@ def test_grace_period_end_cancels_what_is_left(tiny_llama) -> None:
         server.server.handle_exit(signal.SIGINT, None)
         with pytest.raises(httpx.HTTPError):  # the connection closes mid-stream
             stuck.read()
+    server.thread.join(timeout=10)
+    assert not server.thread.is_alive() and client.shut_down.is_set()
+
+
+def test_grace_period_end_ends_streams_with_an_error_event(tiny_llama) -> None:
+    """A stream still producing when the grace ends gets an error event saying why, then
+    [DONE], instead of a connection cut mid-body; its engine request is aborted."""
+    client = SlowClient(local_client(tiny_llama), delay_s=0.25)
+    server = draining_server(client, grace_s=0.3)
+    http = httpx.Client(base_url=server.url, timeout=30)
+    long = {**STREAM, "max_tokens": 200}
+    with http, http.stream("POST", "/v1/completions", json=long) as running:
+        assert running.status_code == 200
+        server.server.handle_exit(signal.SIGTERM, None)
+        frames = data_of(running.read().decode())
+    assert frames[-1] == "[DONE]"
+    error = json.loads(frames[-2])["error"]
+    assert error["code"] == "engine_unavailable" and "grace period ended" in error["message"]
+    assert len(frames) - 2 < 200  # not every token
     server.thread.join(timeout=10)
     assert not server.thread.is_alive() and client.shut_down.is_set()
 
