@@ -229,9 +229,12 @@ def wait_for(
 def _scale_pending(view: dict, sizes: dict[str, int]) -> str | None:
     behind = []
     for pool, wanted in sizes.items():
-        serving = sum(1 for w in view["workers"] if w["pool"] == pool and w["state"] == SERVING)
+        states = [w["state"] for w in view["workers"] if w["pool"] == pool]
+        serving = states.count(SERVING)
         if serving != wanted:
             behind.append(f"{pool} has {serving} serving workers, not {wanted}")
+        elif len(states) > wanted:  # a shrink is done once the drained workers have left
+            behind.append(f"{pool} has {len(states) - wanted} workers still leaving")
     return "; ".join(behind) or None
 
 

@@ -125,7 +125,7 @@ def build_client(engine: EngineConfig, deploy: DeployConfig) -> Coordinator:
     connect_ray(deploy.address)
     engine = replace(engine, device=cluster_device(engine.device, deploy.address))
     if planner is not None:
-        check_planner_profile(planner.model.model, engine.device, profile_path(deploy, model.path))
+        check_planner_profile(planner.model.model, engine.device, deploy, model.path)
     spawner = WorkerSpawner(engine, deploy)
     for pool in spawner.pools():  # before any worker starts: a clear error, not a dead actor
         check_splits(model, spawner.tensor_parallel(pool))
@@ -193,14 +193,17 @@ def profile_mismatch(model: StepCostModel, device: str) -> str | None:
     return f"was measured on {measured} and the workers run on {device}"
 
 
-def check_planner_profile(model: StepCostModel, device: str, path: Path) -> None:
+def check_planner_profile(
+    model: StepCostModel, device: str, deploy: DeployConfig, model_path: Path
+) -> None:
     """A planner predicting GPU steps with CPU prices (or the reverse) would size the pools by
     orders of magnitude wrong: ConfigError, naming the command that measures the right ones."""
     reason = profile_mismatch(model, device)
     if reason is not None:
         raise ConfigError(
-            f"the planner's step profile {path} {reason}: measure the workers' steps with "
-            f"`tandem profile --device {device} --model {path.parent}` on a worker's machine "
+            f"the planner's step profile {profile_path(deploy, model_path)} {reason}: measure "
+            f"the workers' steps with `tandem profile --device {device} --model {model_path}` "
+            "on a worker's machine "
             "(on a `ray up` head: add --address auto, which sweeps on a GPU node and saves the "
             "profile here), or give --planner-profile"
         )
@@ -238,6 +241,8 @@ def planner_setup(
     except SloError as err:
         raise ConfigError(f"--planner-slo: {err}") from None
     profile = profile_path(deploy, model_path)
+    if profile.is_dir():
+        raise ConfigError(f"--planner-profile {profile} is a folder: name the profile's file")
     if not profile.is_file():
         raise ConfigError(
             f"the planner predicts with a step cost model and {profile} does not exist: run "
@@ -248,10 +253,7 @@ def planner_setup(
         model = Calibrated(StepCostModel.load(profile))
     except CostModelError as err:
         raise ConfigError(f"--planner-profile: {err}") from None
-    launched = deploy.num_prefill + deploy.num_decode
-    max_workers = deploy.planner_max_workers or launched
-    if max_workers < 2:
-        raise ConfigError("--planner-max-workers must be at least 2 (a prefill and a decode)")
+    max_workers = deploy.planner_max_workers or deploy.num_prefill + deploy.num_decode
     config = PlannerConfig(
         ttft_slo_s=targets.ttft_s,
         itl_slo_s=targets.itl_s,

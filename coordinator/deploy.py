@@ -67,6 +67,8 @@ class DeployConfig:
             )
         if self.planner_interval <= 0:
             raise ConfigError("--planner-interval must be > 0")
+        if self.planner_max_workers is not None and self.planner_max_workers < 2:
+            raise ConfigError("--planner-max-workers must be at least 2 (a prefill and a decode)")
         for name in ("prefill_tp", "decode_tp"):
             if (getattr(self, name) or 1) < 1:
                 raise ConfigError(f"{name} must be at least 1")

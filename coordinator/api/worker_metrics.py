@@ -62,6 +62,9 @@ class WorkerStatsCollector(Collector):
         self.stats = stats
         self.pools = pools
         self.handover = handover
+        # Pools seen, with their restarts: a pool whose last worker is gone still reads 0
+        # serving workers (an alert on "< 1" fires) instead of vanishing from the scrape.
+        self._seen: dict[str, int] = {}
 
     def describe(self) -> list[Metric]:
         return []  # nothing to check at registration; the names are fixed above
@@ -116,8 +119,8 @@ class WorkerStatsCollector(Collector):
         sizes = GaugeMetricFamily(
             "tandem:pool_workers", "Workers per pool and state.", labels=["model", "pool", "state"]
         )
-        counts: dict[tuple[str, str], int] = {}
-        restarts: dict[str, int] = {}
+        counts = {(pool, "serving"): 0 for pool in self._seen}
+        restarts = self._seen
         for w in workers:
             counts[(w.pool, w.state)] = counts.get((w.pool, w.state), 0) + 1
             restarts[w.pool] = w.pool_restarts

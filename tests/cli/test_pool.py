@@ -67,6 +67,9 @@ def test_scale_and_drain_wait_until_done(server_url, capsys) -> None:
     assert pool(server_url, "drain", "decode-0", "--wait", "5") == 0
     assert serving(server_url, "decode") == ["decode-new0"]
     assert "decode-0 " not in capsys.readouterr().out
+    assert pool(server_url, "scale", "--decode", "2", "--wait", "5") == 0
+    assert pool(server_url, "scale", "--decode", "1", "--wait", "5") == 0
+    assert "draining" not in capsys.readouterr().out  # done once the drained worker has left
 
 
 def test_wait_gives_up_with_one_line(server_url, capsys, monkeypatch) -> None:

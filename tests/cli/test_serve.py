@@ -7,6 +7,7 @@ import argparse
 import re
 import signal
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import httpx
@@ -281,6 +282,10 @@ def test_planner_flags_and_their_errors(tiny_llama, tmp_path) -> None:
     missing = DeployConfig(planner="on", planner_slo="ttft_p99=1s,itl_p99=50ms")
     with pytest.raises(ConfigError, match="tandem profile --model"):
         planner_setup(engine_config(args), missing, tmp_path)
+    with pytest.raises(ConfigError, match="--planner-max-workers must be at least 2"):
+        DeployConfig(planner_slo="ttft_p99=1s,itl_p99=50ms", planner_max_workers=0)
+    with pytest.raises(ConfigError, match="is a folder: name the profile's file"):
+        planner_setup(engine_config(args), replace(missing, planner_profile=tmp_path), tmp_path)
     with pytest.raises(ConfigError, match="TTFT and an ITL"):
         planner_setup(engine_config(args), DeployConfig(planner_slo="ttft_p99=1s"), tiny_llama)
     assert serve_choices("--planner") == ["on", "dry-run", "off"]
@@ -316,11 +321,12 @@ def test_the_planner_refuses_a_profile_of_another_device(tmp_path) -> None:
 
     cpu = StepCostModel.load(REPO / "benchmarks" / "profiles" / "smollm2-cpu-1thread.json")
     assert cpu.info.device == "cpu"
-    path = tmp_path / "tandem-profile.json"
-    check_planner_profile(cpu, "cpu", path)  # the same device: taken
+    deploy = DeployConfig(planner_profile=REPO / "benchmarks" / "profiles" / "x.json")
+    check_planner_profile(cpu, "cpu", deploy, tmp_path)  # the same device: taken
     with pytest.raises(ConfigError, match="measured on cpu and the workers run on cuda") as err:
-        check_planner_profile(cpu, "cuda", path)
-    assert "--address auto" in str(err.value) and f"--model {tmp_path}" in str(err.value)
+        check_planner_profile(cpu, "cuda", deploy, tmp_path)
+    # The command names the model's folder, not the profile's.
+    assert "--address auto" in str(err.value) and f"--model {tmp_path}`" in str(err.value)
     gpu = dataclasses.replace(cpu, info=dataclasses.replace(cpu.info, device="cuda:0"))
     assert profile_mismatch(gpu, "cuda") is None  # a device index does not matter
     assert "measured on cuda" in profile_mismatch(gpu, "cpu")

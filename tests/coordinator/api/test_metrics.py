@@ -135,3 +135,24 @@ def test_requests_that_end_unfinished_count_as_abort_or_error() -> None:
     assert 'tandem:request_success_total{finished_reason="abort",model="tiny"} 1.0' in text
     assert 'tandem:request_success_total{finished_reason="error",model="tiny"} 1.0' in text
     assert 'finished_reason="length"' not in text
+
+
+def test_a_pool_whose_last_worker_left_reads_zero_serving() -> None:
+    """An alert on `tandem:pool_workers{state="serving"} < 1` must see the empty pool: the
+    series used to vanish with the pool's last worker."""
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from coordinator.api.worker_metrics import WorkerStatsCollector
+    from protocol.stats import PoolWorker
+
+    workers = [PoolWorker("prefill-0", "prefill", "serving", 0),
+               PoolWorker("decode-0", "decode", "serving", 2)]  # fmt: skip
+    registry = CollectorRegistry()
+    registry.register(WorkerStatsCollector("m", list, lambda: list(workers)))
+    assert 'pool_workers{model="m",pool="decode",state="serving"} 1.0' in (
+        generate_latest(registry).decode()
+    )
+    workers.pop()  # decode-0 died; its replacement is not up yet
+    text = generate_latest(registry).decode()
+    assert 'pool_workers{model="m",pool="decode",state="serving"} 0.0' in text
+    assert 'worker_restarts_total{model="m",pool="decode"} 2.0' in text
