@@ -24,6 +24,7 @@ from engine.sampler import SampleRow, sample, uniform
 from engine.scheduler import Scheduler, SchedulerConfig, StepPlan, fits_with_headroom
 from engine.sequence import Sequence
 from engine.stop import blocked_tokens, check_stop
+from engine.structured import Structures
 from engine.tensor_parallel import Launcher
 from protocol.errors import RequestError
 from protocol.kv import KVLayout
@@ -87,6 +88,8 @@ class LLMEngine:
         self.reserved: dict[str, Sequence] = {}  # blocks held, KV arriving from elsewhere
         self.generators: dict[str, torch.Generator] = {}
         self.default_generator = torch.Generator().manual_seed(config.seed)
+        # Response formats' matchers (made on a structured request's first sample).
+        self.structures = Structures(self.model_config.path, self.model_config.vocab_size)
         log.info("engine ready: %d KV blocks of %d tokens", self.num_blocks, config.block_size)
 
     def _max_model_len(self) -> int:
@@ -151,6 +154,7 @@ class LLMEngine:
         block_table = self.blocks.allocate_prefix(hits, seq.num_tokens) if fits else None
         if block_table is None:
             self.generators.pop(request_id, None)
+            self.structures.forget(request_id)
             return None
         num_cached = min(len(hits) * self.config.block_size, seq.num_tokens)
         self.blocks.count_query(seq.num_tokens, num_cached)
@@ -178,6 +182,7 @@ class LLMEngine:
         """Drops a reservation (transfer failed or expired); False if there is none."""
         seq = self.reserved.pop(request_id, None)
         self.generators.pop(request_id, None)
+        self.structures.forget(request_id)
         if seq is None:
             return False
         self.blocks.free_blocks(seq.block_table)
@@ -197,6 +202,7 @@ class LLMEngine:
             return True
         seq = self.sequences.pop(request_id, None)
         self.generators.pop(request_id, None)
+        self.structures.forget(request_id)
         if seq is None:
             return False
         self.scheduler.finish(seq, FinishReason.ABORT)
@@ -274,15 +280,25 @@ class LLMEngine:
         hook = functools.partial(on_layer, plan) if on_layer is not None else None
         logits = self.runner.execute(plan, hook, extra)
         self.scheduler.commit(plan)
-        rows = [self._sample_row(seq) for seq in sampling]
+        rows, kept, failed = [], [], []
+        for i, seq in enumerate(sampling):
+            try:
+                rows.append(self._sample_row(seq))
+                kept.append(i)
+            except Exception as err:  # its response format cannot be used: it fails alone
+                failed.append(self._fail_sampling(seq, err))
+        if failed:
+            sampling, logits = [sampling[i] for i in kept], logits[kept]
+            if not sampling:
+                return failed
         saved = _generator_states(rows)
         try:
             output = sample(logits, rows)
         except Exception:  # some row broke the batch: find it, keep the others
             for generator, state in saved:  # draws the failed batch made are not spent
                 generator.set_state(state)
-            return self._sample_alone(sampling, logits, rows)
-        return self._update(sampling, output.token_ids, output.logprobs)
+            return failed + self._sample_alone(sampling, logits, rows)
+        return failed + self._update(sampling, output.token_ids, output.logprobs)
 
     def _record(self, plan: StepPlan, seconds: float, threads: int) -> None:
         blocks = self.blocks
@@ -313,21 +329,33 @@ class LLMEngine:
             try:
                 output = sample(logits[i : i + 1], [row])
             except Exception as err:
-                log.exception("sampling failed for request %s", seq.request_id)
-                self.abort(seq.request_id)
-                reason = f"sampling failed: {type(err).__name__}: {err}"
-                updates.append(RequestFailed(seq.request_id, reason, retry=False))
+                updates.append(self._fail_sampling(seq, err))
                 continue
             updates.extend(self._update([seq], output.token_ids, output.logprobs))
         return updates
 
+    def _fail_sampling(self, seq: Sequence, err: Exception) -> RequestFailed:
+        """The request whose sampling raised ends here, with the reason; no retry elsewhere
+        would sample it any better."""
+        if isinstance(err, RequestError):
+            log.warning("request %s: %s", seq.request_id, err)
+        else:
+            log.exception("sampling failed for request %s", seq.request_id)
+        self.abort(seq.request_id)
+        reason = f"sampling failed: {type(err).__name__}: {err}"
+        return RequestFailed(seq.request_id, reason, retry=False)
+
     def _sample_row(self, seq: Sequence) -> SampleRow:
+        structure = seq.params.structure
         return SampleRow(
             params=seq.params,
             prompt_ids=seq.token_ids[: seq.num_prompt_tokens],
             output_ids=seq.output_token_ids,
             blocked_ids=blocked_tokens(seq, self.eos_ids),
             generator=self.generators.get(seq.request_id, self.default_generator),
+            allowed=None
+            if structure is None
+            else self.structures.allowed(seq.request_id, structure, seq.output_token_ids),
         )
 
     def _update(
@@ -340,10 +368,13 @@ class LLMEngine:
         for seq, token, token_logprobs in zip(sampling, token_ids, logprobs, strict=True):
             seq.token_ids.append(token)
             stop = check_stop(seq, self.eos_ids, self.max_model_len)
+            if seq.params.structure is not None and self.structures.advance(seq.request_id, token):
+                stop = stop or (FinishReason.STOP, None)  # the response format is complete
             if stop is not None:
                 self.scheduler.finish(seq, stop[0])
                 del self.sequences[seq.request_id]
                 self.generators.pop(seq.request_id, None)
+                self.structures.forget(seq.request_id)
             updates.append(
                 TokenUpdate(
                     request_id=seq.request_id,

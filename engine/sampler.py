@@ -11,6 +11,7 @@ from typing import NamedTuple
 
 import torch
 
+from engine.structured import apply_allowed
 from kernels import ops
 from protocol.sampling import SamplingParams, TokenLogprobs
 
@@ -23,6 +24,7 @@ class SampleRow(NamedTuple):
     output_ids: Sequence[int]
     blocked_ids: tuple[int, ...]  # tokens forbidden this step (EOS while under min_tokens)
     generator: torch.Generator | None
+    allowed: torch.Tensor | None = None  # a response format's bitmask (engine/structured.py)
 
 
 class SamplerOutput(NamedTuple):
@@ -33,7 +35,11 @@ class SamplerOutput(NamedTuple):
 def sample(logits: torch.Tensor, rows: list[SampleRow]) -> SamplerOutput:
     """logits: [S, vocab] in any float dtype, one row per entry of `rows`."""
     if all(
-        row.params.greedy and not row.params.adjusts_logits and not row.blocked_ids for row in rows
+        row.params.greedy
+        and not row.params.adjusts_logits
+        and not row.blocked_ids
+        and row.allowed is None
+        for row in rows
     ):
         # Plain greedy rows (the common batch) need no float32 copy of the logits.
         token_ids = ops.argmax(logits).tolist()
@@ -49,6 +55,11 @@ def sample(logits: torch.Tensor, rows: list[SampleRow]) -> SamplerOutput:
         logits = logits.clone() if logits is raw else logits
         for i, row in enumerate(rows):
             logits[i, list(row.blocked_ids)] = float("-inf")
+    if any(row.allowed is not None for row in rows):
+        logits = logits.clone() if logits is raw else logits
+        for i, row in enumerate(rows):
+            if row.allowed is not None:
+                apply_allowed(logits[i], row.allowed)
     random_rows = [i for i, row in enumerate(rows) if not row.params.greedy]
     if len(random_rows) == len(rows):
         tokens = _sample_random(logits, rows)

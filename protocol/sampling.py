@@ -30,6 +30,7 @@ class TokenLogprobs(NamedTuple):
 
 GREEDY_TEMPERATURE = 1e-5
 MAX_STOP_STRINGS = 256
+STRUCTURE_KINDS = ("json_object", "json_schema", "regex")  # engine/structured.py
 MAX_LOGIT_BIAS = 1024  # tokens one request may bias (each is a write into its logits per step)
 
 
@@ -53,6 +54,9 @@ class SamplingParams:
     skip_special_tokens: bool = True
     # (token id, added to its logit before sampling), as OpenAI's logit_bias; sorted by id
     logit_bias: tuple[tuple[int, float], ...] = ()
+    # What the output must be (engine/structured.py): ("json_object", ""), ("json_schema",
+    # the schema as JSON text) or ("regex", a pattern); None: anything
+    structure: tuple[str, str] | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -90,6 +94,13 @@ class SamplingParams:
             "logit_bias",
             f"takes at most {MAX_LOGIT_BIAS} tokens",
         )
+        if self.structure is not None:
+            object.__setattr__(self, "structure", tuple(self.structure))
+            _check(
+                len(self.structure) == 2 and self.structure[0] in STRUCTURE_KINDS,
+                "response_format",
+                f"must be one of {', '.join(STRUCTURE_KINDS)}",
+            )
 
     @property
     def greedy(self) -> bool:

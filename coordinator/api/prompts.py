@@ -90,6 +90,7 @@ def _sampling_fields(request: SamplingRequest) -> dict:
         fields["top_k"] = None
     given = {name: value for name, value in fields.items() if value is not None}
     return given | {
+        "structure": request.structure(),
         "min_tokens": request.min_tokens,
         "ignore_eos": request.ignore_eos,
         "include_stop_str_in_output": request.include_stop_str_in_output,

@@ -11,6 +11,7 @@ fields that ask nothing of generation (`user`, `store`, `metadata`) are accepted
 from __future__ import annotations
 
 import json
+import re
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -27,7 +28,6 @@ NEUTRAL_VALUES: dict[str, tuple[Any, ...]] = {
     "suffix": (None, ""),
     "best_of": (None, 1),
     "parallel_tool_calls": (None, False, True),
-    "response_format": (None, {"type": "text"}),
     "service_tier": (None, "auto", "default"),
     "modalities": (None, ["text"]),
 }
@@ -78,6 +78,53 @@ class StreamOptions(_Strict):
     include_obfuscation: bool | None = None
 
 
+class JsonSchemaFormat(_Strict):
+    name: str | None = None
+    description: str | None = None
+    schema_: dict[str, Any] = Field(default_factory=dict, alias="schema")  # {}: any JSON value
+    strict: bool | None = None  # the schema is always held to
+
+
+class ResponseFormat(_Strict):
+    """OpenAI's: "text" (anything), "json_object" (a JSON object), "json_schema" (JSON that
+    fits the schema)."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_given(self) -> ResponseFormat:
+        if self.type == "json_schema" and self.json_schema is None:
+            raise _body_error("response_format", 'type "json_schema" needs its json_schema')
+        return self
+
+
+class StructuredOutputs(_Strict):
+    """vLLM's `structured_outputs`: exactly one of these."""
+
+    json_: dict[str, Any] | str | None = Field(None, alias="json")  # a schema
+    regex: str | None = None
+    choice: list[str] | None = Field(None, min_length=1)
+    json_object: bool | None = None
+
+    @model_validator(mode="after")
+    def _one(self) -> StructuredOutputs:
+        given = [f for f in ("json_", "regex", "choice", "json_object") if getattr(self, f)]
+        if len(given) != 1:
+            raise _body_error("structured_outputs", "give exactly one of json, regex, choice")
+        return self
+
+    def structure(self) -> tuple[str, str]:
+        if self.json_object:
+            return ("json_object", "")
+        if self.json_ is not None:
+            text = self.json_ if isinstance(self.json_, str) else json.dumps(self.json_)
+            return ("json_schema", text)
+        if self.choice is not None:
+            return ("regex", "|".join(f"({re.escape(c)})" for c in self.choice))
+        return ("regex", self.regex or "")
+
+
 class SamplingRequest(_Strict):
     """Parameters shared by completions and chat; None means the default."""
 
@@ -100,6 +147,8 @@ class SamplingRequest(_Strict):
     skip_special_tokens: bool = True
     stream: bool = False
     stream_options: StreamOptions | None = None
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None  # vLLM's extension
     user: str | None = None  # an end-user id for the client's own records; kept, never used
     store: bool | None = None  # OpenAI's stored completions: nothing is stored here
     metadata: dict[str, str] | None = None  # tags for stored completions: unused
@@ -120,6 +169,24 @@ class SamplingRequest(_Strict):
         if self.stream_options is not None and not self.stream:
             raise _body_error("stream_options", "stream_options needs stream set to true")
         return self
+
+    @model_validator(mode="after")
+    def _one_structure(self) -> SamplingRequest:
+        if self.structured_outputs is not None and self.response_format is not None:
+            raise _body_error("structured_outputs", "give response_format or structured_outputs")
+        return self
+
+    def structure(self) -> tuple[str, str] | None:
+        """What the output must be (protocol/sampling.py SamplingParams.structure), or None."""
+        if self.structured_outputs is not None:
+            return self.structured_outputs.structure()
+        response_format = self.response_format
+        if response_format is None or response_format.type == "text":
+            return None
+        if response_format.type == "json_object":
+            return ("json_object", "")
+        schema = response_format.json_schema.schema_ if response_format.json_schema else {}
+        return ("json_schema", json.dumps(schema)) if schema else ("json_object", "")
 
     @property
     def include_usage(self) -> bool:
@@ -296,7 +363,7 @@ class ChatCompletionRequest(TemplateOptions, SamplingRequest):
     logprobs: bool = False
     top_logprobs: int | None = None
     # "auto" (the default with tools) needs the server's tool-call parser (chat.py checks);
-    # "required" and a named function would need constrained decoding, which tandem lacks.
+    # "required" and a named function (a forced call) are not done yet.
     tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
 
     @model_validator(mode="after")
@@ -306,9 +373,9 @@ class ChatCompletionRequest(TemplateOptions, SamplingRequest):
         if self.effective_tool_choice not in ("none", "auto"):
             raise _body_error(
                 "tool_choice",
-                f"tool_choice {self.effective_tool_choice!r} needs constrained decoding, which "
-                'tandem does not do: send "auto" (to a server started with '
-                '--enable-auto-tool-choice) or "none"',
+                f"tool_choice {self.effective_tool_choice!r} (a forced call) is not supported: "
+                'send "auto" (to a server started with --enable-auto-tool-choice) or "none", '
+                "or ask for the arguments with a json_schema response_format",
             )
         both = self.max_tokens is not None and self.max_completion_tokens is not None
         if both and self.max_tokens != self.max_completion_tokens:

@@ -160,3 +160,17 @@ def test_seeded_sampling_is_the_same_disaggregated(tiny_llama, build_pool, loop,
     colocated = [out.token_ids for out in llm.generate_ids(prompts, seeded)]
     client = build_pool(tiny_llama, num_prefill=1, num_decode=1)
     assert run_all(loop, client, prompts, seeded, tag="s") == colocated
+
+
+def test_structured_output_is_the_same_disaggregated(tiny_llama, build_pool, loop) -> None:
+    """The prefill worker samples the first token inside the response format; the decode
+    worker's matcher reads it and goes on inside it: the output equals colocated's."""
+    pytest.importorskip("xgrammar")
+    prompts = [[5, 6, 7, 8], [9, 10, 11, 12, 13, 14]]
+    params = SamplingParams(max_tokens=30, temperature=0, structure=("regex", "(abc|xyz)d{3,5}"))
+    llm = LLM(tiny_llama, dtype="float32", block_size=4)
+    colocated = [out.token_ids for out in llm.generate_ids(prompts, params)]
+    client = build_pool(tiny_llama, num_prefill=1, num_decode=1, local_prefill_threshold=0)
+    assert run_all(loop, client, prompts, params, tag="g") == colocated
+    texts = [llm.tokenizer.decode(ids) for ids in colocated]
+    assert all(t[:3] in ("abc", "xyz") and 3 <= t.count("d") <= 5 for t in texts), texts

@@ -321,3 +321,53 @@ def test_bookkeeping_fields_of_newer_clients_are_accepted(http) -> None:
     with http.stream("POST", "/v1/completions", json=body) as response:
         assert response.status_code == 200
         assert events(response)[-1] == "[DONE]"
+
+
+def test_response_formats_hold_the_output(http) -> None:
+    pytest.importorskip("xgrammar")
+    schema = {"type": "object", "properties": {"n": {"type": "integer", "enum": [1, 2]}},
+              "required": ["n"], "additionalProperties": False}  # fmt: skip
+    base = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 30, "temperature": 0}
+    formats = {"type": "json_schema", "json_schema": {"name": "n", "schema": schema}}
+    reply = http.post("/v1/chat/completions", json={**base, "response_format": formats}).json()
+    assert json.loads(reply["choices"][0]["message"]["content"]) in ({"n": 1}, {"n": 2})
+    assert reply["choices"][0]["finish_reason"] == "stop"
+    choice = {"prompt": "x", "max_tokens": 10, "structured_outputs": {"choice": ["up", "down"]}}
+    for stream in (False, True):
+        body = {**choice, "stream": stream}
+        if stream:
+            with http.stream("POST", "/v1/completions", json=body) as response:
+                chunks = [json.loads(d) for d in events(response)[:-1]]
+            text = "".join(c["choices"][0]["text"] for c in chunks)
+        else:
+            text = http.post("/v1/completions", json=body).json()["choices"][0]["text"]
+        assert text in ("up", "down")
+    plain = {**base, "response_format": {"type": "text"}}
+    assert http.post("/v1/chat/completions", json=plain).status_code == 200
+
+
+@pytest.mark.parametrize(
+    "extra,param",
+    [
+        ({"response_format": {"type": "json_schema"}}, "response_format"),
+        ({"response_format": {"type": "xml"}}, "response_format.type"),
+        ({"structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs"),
+        ({"structured_outputs": {"grammar": "root ::= x"}}, "structured_outputs.grammar"),
+        ({"response_format": {"type": "json_object"}, "structured_outputs": {"regex": "a"}},
+         "structured_outputs"),
+    ],
+)  # fmt: skip
+def test_response_format_errors(http, extra, param) -> None:
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, **extra}
+    assert_error(http.post("/v1/chat/completions", json=body), 400, param)
+
+
+def test_a_schema_the_workers_cannot_compile_is_an_error_not_a_hang(http) -> None:
+    pytest.importorskip("xgrammar")
+    body = {
+        "prompt": "x",
+        "max_tokens": 3,
+        "response_format": {"type": "json_schema", "json_schema": {"schema": {"type": 7}}},
+    }
+    error = assert_error(http.post("/v1/completions", json=body), 500)
+    assert "cannot be used" in error["message"]

@@ -1,0 +1,114 @@
+"""Structured output: a request's tokens held to a JSON schema, to any JSON value, or to a
+regular expression (OpenAI's `response_format`), with xgrammar's grammar matchers.
+
+Each structured sequence has a matcher that has read its output so far. Before each sample it
+says which tokens may come next (a bitmask of the vocabulary: `allowed`); the sampler gives
+the others no chance; the token sampled is read back in (`advance`). A matcher is made the
+first time its sequence samples, reading every output token it already has: so a decode
+worker that takes over a request (its first token from the prefill worker, or the tokens a
+lost attempt streamed) needs nothing from the worker before it. The grammar completed, the
+sequence ends (`finished`), even with `ignore_eos`.
+
+xgrammar is optional (`pip install xgrammar`): without it a structured request fails with a
+message that says so.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from protocol.errors import RequestError
+
+COMPILED_KEPT = 64  # compiled grammars kept per engine, the most recently used
+
+
+class Structures:
+    """The grammars of one engine's structured requests, and each sequence's matcher."""
+
+    def __init__(self, tokenizer_path: str | Path, vocab_size: int) -> None:
+        self.tokenizer_path = tokenizer_path
+        self.vocab_size = vocab_size  # the logits' width (may exceed the tokenizer's)
+        self._compiler: Any = None
+        self._compiled: OrderedDict[tuple[str, str], Any] = OrderedDict()
+        self.matchers: dict[str, Any] = {}  # request id -> its matcher
+
+    def allowed(
+        self, request_id: str, spec: tuple[str, str], output_ids: list[int]
+    ) -> torch.Tensor:
+        """The tokens that may come next, as an int32 bitmask [ceil(vocab / 32)]."""
+        import xgrammar
+
+        matcher = self.matchers.get(request_id)
+        if matcher is None:
+            matcher = xgrammar.GrammarMatcher(self.compile(spec))
+            for token in output_ids:
+                if not matcher.accept_token(token):
+                    raise RequestError(f"output token {token} does not fit the response format")
+            self.matchers[request_id] = matcher
+        bitmask = xgrammar.allocate_token_bitmask(1, self.vocab_size)
+        matcher.fill_next_token_bitmask(bitmask, 0)
+        return bitmask[0]
+
+    def advance(self, request_id: str, token: int) -> bool:
+        """Reads the sampled token into the sequence's matcher (if it has one); True once the
+        output must end: the grammar is complete (or, never with a bitmask applied, the token
+        did not fit it)."""
+        matcher = self.matchers.get(request_id)
+        if matcher is None:
+            return False
+        return not matcher.accept_token(token) or matcher.is_terminated()
+
+    def forget(self, request_id: str) -> None:
+        self.matchers.pop(request_id, None)
+
+    def compile(self, spec: tuple[str, str]) -> Any:
+        """The compiled grammar of `spec` (kind, text); RequestError for one xgrammar refuses."""
+        compiled = self._compiled.get(spec)
+        if compiled is not None:
+            self._compiled.move_to_end(spec)
+            return compiled
+        compiler = self._compiler or self._make_compiler()
+        kind, text = spec
+        try:
+            if kind == "json_object":  # OpenAI's json_object: an object, spaced freely
+                compiled = compiler.compile_json_schema('{"type": "object"}')
+            elif kind == "json_schema":
+                compiled = compiler.compile_json_schema(text, any_whitespace=False)
+            elif kind == "regex":
+                compiled = compiler.compile_regex(text)
+            else:
+                raise RequestError(f"unknown response format {kind!r}")
+        except RuntimeError as err:  # xgrammar's word for a schema or pattern it cannot take
+            raise RequestError(f"the {kind.replace('_', ' ')} cannot be used: {err}") from None
+        self._compiled[spec] = compiled
+        while len(self._compiled) > COMPILED_KEPT:
+            self._compiled.popitem(last=False)
+        return compiled
+
+    def _make_compiler(self) -> Any:
+        try:
+            import xgrammar
+        except ImportError:
+            raise RequestError(
+                "structured output (response_format) needs xgrammar on the workers: "
+                "pip install xgrammar"
+            ) from None
+        from transformers import AutoTokenizer
+
+        hf = AutoTokenizer.from_pretrained(self.tokenizer_path)
+        info = xgrammar.TokenizerInfo.from_huggingface(hf, vocab_size=self.vocab_size)
+        self._compiler = xgrammar.GrammarCompiler(info, max_threads=1)
+        return self._compiler
+
+
+def apply_allowed(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
+    """In place on one row [vocab]: tokens whose bit is clear in `bitmask` (int32 words,
+    token i at bit i % 32 of word i // 32) get -inf."""
+    shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)
+    bits = (bitmask.to(logits.device).unsqueeze(1) >> shifts) & 1  # [words, 32]
+    allowed = bits.flatten()[: logits.shape[0]].bool()
+    logits.masked_fill_(~allowed, float("-inf"))

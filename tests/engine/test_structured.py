@@ -1,0 +1,100 @@
+"""Structured output (engine/structured.py): every token sampled under a response format keeps
+the output inside it, the output ends when the format is complete, a decode worker's matcher
+picks up the tokens sampled elsewhere, and a format that cannot be used fails its request
+alone."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from engine.config import EngineConfig
+from engine.engine import LLMEngine
+from engine.llm import LLM
+from protocol.messages import RequestFailed
+from protocol.sampling import SamplingParams
+
+pytest.importorskip("xgrammar")
+
+PROMPT = [5, 6, 7, 8, 9]
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_llama) -> LLM:
+    return LLM(tiny_llama, dtype="float32", block_size=4, num_kv_blocks=256)
+
+
+def run(llm: LLM, structure, **options) -> tuple[str, str]:
+    params = SamplingParams(max_tokens=40, temperature=0, structure=structure, **options)
+    out = llm.generate_ids([PROMPT], params)[0]
+    return out.text, out.finish_reason
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_a_regex_holds_the_output_and_ends_it(llm, temperature) -> None:
+    for seed in range(3):
+        params = SamplingParams(
+            max_tokens=40, temperature=temperature, seed=seed, structure=("regex", "(yes|no)!")
+        )
+        out = llm.generate_ids([PROMPT], params)[0]
+        assert out.text in ("yes!", "no!") and out.finish_reason == "stop", out.text
+
+
+def test_a_json_schema_holds_the_output(llm) -> None:
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"},
+              "n": {"type": "integer", "enum": [1, 2, 3]}}, "required": ["ok", "n"],
+              "additionalProperties": False}  # fmt: skip
+    text, finish = run(llm, ("json_schema", json.dumps(schema)))
+    assert finish == "stop", text
+    value = json.loads(text)
+    assert set(value) == {"ok", "n"} and isinstance(value["ok"], bool) and value["n"] in (1, 2, 3)
+
+
+def test_ignore_eos_still_ends_when_the_format_is_complete(llm) -> None:
+    text, finish = run(llm, ("regex", "(ab|cd)"), ignore_eos=True)
+    assert text in ("ab", "cd") and finish == "stop"
+
+
+def test_unstructured_requests_beside_a_structured_one_are_unchanged(llm) -> None:
+    plain = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    alone = llm.generate_ids([PROMPT], plain)[0].token_ids
+    mixed = llm.generate_ids(
+        [PROMPT, PROMPT], [plain, SamplingParams(max_tokens=12, structure=("regex", "x+"))]
+    )
+    assert mixed[0].token_ids == alone
+    assert set(mixed[1].text) == {"x"}
+
+
+def test_a_matcher_made_late_reads_the_tokens_sampled_elsewhere(tiny_llama) -> None:
+    """A decode worker takes over after the prefill worker (or a lost attempt) sampled some
+    tokens: its engine gets them as output_ids and continues inside the format."""
+    spec = ("regex", "(abc|abd)e+")
+    whole = LLM(tiny_llama, dtype="float32", block_size=4, num_kv_blocks=256)
+    full = whole.generate_ids([PROMPT], SamplingParams(max_tokens=20, temperature=0,
+                                                       structure=spec))[0]  # fmt: skip
+    assert full.text.startswith(("abc", "abd"))
+    engine = LLMEngine(EngineConfig(tiny_llama, dtype="float32", block_size=4, num_kv_blocks=256))
+    params = SamplingParams(max_tokens=20, temperature=0, structure=spec)
+    engine.add_request("r", PROMPT, params, output_ids=full.token_ids[:2])
+    tokens = list(full.token_ids[:2])
+    for _ in range(40):
+        for update in engine.step():
+            tokens.extend(update.token_ids)
+        if not engine.has_unfinished:
+            break
+    assert tokens == list(full.token_ids)
+
+
+def test_a_schema_the_grammar_compiler_refuses_fails_its_request_alone(tiny_llama) -> None:
+    engine = LLMEngine(EngineConfig(tiny_llama, dtype="float32", block_size=4, num_kv_blocks=256))
+    bad = SamplingParams(max_tokens=5, structure=("json_schema", '{"type": "nonsense"}'))
+    engine.add_request("bad", PROMPT, bad)
+    engine.add_request("good", PROMPT, SamplingParams(max_tokens=3, temperature=0))
+    updates = []
+    for _ in range(10):
+        updates += engine.step()
+    failed = [u for u in updates if isinstance(u, RequestFailed)]
+    assert [u.request_id for u in failed] == ["bad"] and "cannot be used" in failed[0].reason
+    assert sum(len(u.token_ids) for u in updates if u.request_id == "good") == 3
+    assert not engine.structures.matchers and not engine.has_unfinished
