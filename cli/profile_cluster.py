@@ -62,6 +62,8 @@ def sweep(
     try:
         try:
             host = ray.get(actor.where.remote(), timeout=placement.placement_timeout)
+        except RayActorError as err:
+            raise CliError(f"the sweep's process could not start: {err}") from None
         except GetTimeoutError:
             raise CliError(
                 f"no node of the cluster could take the sweep ({asks or 'nothing asked'}) within "
@@ -91,7 +93,7 @@ def actor_options(pool: str | None, settings: SweepSettings) -> dict[str, Any]:
     gpus = settings.tensor_parallel if settings.device.startswith("cuda") else 0
     options: dict[str, Any] = {"num_cpus": 1, "num_gpus": gpus, "max_restarts": 0}
     if pool is not None:
-        options["resources"] = {pool: settings.tensor_parallel}  # one unit per GPU (cluster.yaml)
+        options["resources"] = {pool: 1}  # as a worker of the pool asks (on its first rank)
     return options
 
 

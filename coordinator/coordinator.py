@@ -237,7 +237,11 @@ class Coordinator:
             self.supervisor.scale(pool, size)
 
     def drain(self, worker_id: str) -> None:
-        """KeyError for an unknown worker."""
+        """KeyError for an unknown worker; PoolError for the last serving worker of a pool
+        that needs one (decode, colocated)."""
+        entry = self.supervisor.workers[worker_id]
+        if entry.pool != "prefill" and len(self.supervisor.serving(entry.pool)) < 2:
+            raise PoolError(f"the {entry.pool} pool would have no worker left")
         self.supervisor.drain(worker_id)
 
     async def switch_role(self, worker_id: str, role: str) -> float:
@@ -529,8 +533,10 @@ class Coordinator:
         if request.finished:  # its worker already freed it (a stop string aborted it there)
             return
         for worker_id, pool in ((route.decode_id, self.decode), (route.prefill_id, self.prefill)):
-            if worker_id is not None and self.router.is_alive(worker_id):
-                self._background(self._call(pool[worker_id].abort, work.request_id, timeout=5.0))
+            # (not in `pool` any more: it switched roles meanwhile, and its old role is gone)
+            handle = pool.get(worker_id) if worker_id is not None else None
+            if handle is not None and self.router.is_alive(worker_id):
+                self._background(self._call(handle.abort, work.request_id, timeout=5.0))
 
     # -- decode workers --------------------------------------------------------------------
 
@@ -690,8 +696,12 @@ class Coordinator:
         """An abort to a worker that died meanwhile fails, and nothing waits on it: said at
         debug level (asyncio's "exception was never retrieved" otherwise)."""
         self._tasks.discard(task)
-        if not task.cancelled() and task.exception() is not None:
-            log.debug("%s: %r", task.get_coro().__qualname__, task.exception())
+        if task.cancelled() or task.exception() is None:
+            return
+        err = task.exception()
+        expected = isinstance(err, RayActorError | TimeoutError | asyncio.TimeoutError)
+        level = logging.DEBUG if expected else logging.WARNING
+        log.log(level, "%s: %r", task.get_coro().__qualname__, err)
 
     async def _call(self, method, *args: Any, timeout: float | None = None) -> Any:
         return await asyncio.wait_for(

@@ -58,7 +58,10 @@ class AsyncEngine:
 
     def shutdown(self, timeout: float = 10.0) -> None:
         if self._thread is not None:
-            self._thread.stop(timeout)
+            try:
+                self._thread.stop(timeout)
+            except TimeoutError as err:  # the process is ending: close what can be closed
+                log.warning("%s; closing the engine anyway", err)
         self.engine.close()
 
     async def generate(

@@ -236,6 +236,13 @@ class Simulation:
                 f"at most {context} tokens of context, prompt and output together",
             )
             return
+        if num_output > context:
+            self._done(
+                run,
+                f"HTTP 400 Bad Request: max_tokens is {num_output}, more than this model's "
+                f"context ({context} tokens)",
+            )
+            return
         if num_prompt + num_output > context:
             run.request = run.request._replace(output_len=context - num_prompt)
         self.at(self.now + self.scenario.overheads.dispatch, self._place, run)

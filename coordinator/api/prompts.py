@@ -59,6 +59,12 @@ def build_params(
     # As vLLM does: the output stops where the context ends ("length"), whatever was asked
     # (a chat client with a fixed max_tokens and a growing history gets shorter replies).
     max_tokens = room if max_tokens is None else min(max_tokens, room)
+    if request.min_tokens > room:
+        raise invalid(
+            f"min_tokens is {request.min_tokens}, but the prompt ({len(prompt_ids)} tokens) "
+            f"leaves {room} of this model's context ({client.max_model_len} tokens)",
+            param="min_tokens",
+        )
     try:
         params = SamplingParams(
             max_tokens=max_tokens, logprobs=logprobs, **_sampling_fields(request)

@@ -281,10 +281,11 @@ def test_a_role_switch_whose_caller_is_cancelled_still_ends(killed) -> None:
 
     async def main() -> None:
         cluster = FakeCluster(CONFIG, num_prefill=1, num_decode=2)
-        cluster.decode["decode-0"].set_role_seconds = 0.2
+        cluster.decode["decode-0"].set_role_seconds = 0.3
         async with cluster.running() as coordinator:
             switch = asyncio.ensure_future(coordinator.switch_role("decode-0", "prefill"))
-            await asyncio.sleep(0.05)
+            await until(lambda: cluster.decode["decode-0"].calls["set_role"] != [])  # under way
+            assert not switch.done()
             switch.cancel()
             with pytest.raises(asyncio.CancelledError):
                 await switch
@@ -378,8 +379,12 @@ def test_a_pool_scaled_down_keeps_its_new_size_when_a_worker_dies(killed) -> Non
             await until(lambda: len(supervisor.serving("decode")) == 1)
             assert cluster.spawned == ["decode-new0"] and coordinator.readiness() is None
             assert await tokens_of(coordinator, "after") == OUTPUT[:8]
+            with pytest.raises(PoolError, match="no worker left"):  # the last one stays
+                coordinator.drain("decode-new0")
+            coordinator.scale({"decode": 2})
+            await until(lambda: len(supervisor.serving("decode")) == 2)
             coordinator.drain("decode-new0")  # an explicit drain shrinks the pool by one
-            assert supervisor.pools["decode"].target == 0
+            assert supervisor.pools["decode"].target == 1
 
     run(main())
 
@@ -436,5 +441,24 @@ def test_growth_the_machine_has_no_room_for_is_refused(killed) -> None:
                 coordinator.scale({"decode": 4, "prefill": 1})
             assert asked == [{"decode": 3}]  # only growth is asked about
             assert coordinator.supervisor.pools["decode"].target == 1 and not cluster.spawned
+
+    run(main())
+
+
+def test_a_request_whose_prefill_worker_switched_roles_meanwhile_is_retried(killed) -> None:
+    """Its decode reservation was slow, and its prefill worker became a decode worker before
+    it came back: the attempt is lost and retried (ending it once looked the worker up in
+    the prefill pool it had left, and the request failed with a KeyError)."""
+
+    async def main() -> None:
+        cluster = FakeCluster(CONFIG, num_prefill=2, num_decode=2)
+        for worker in ("decode-0", "decode-1"):
+            cluster.decoder(worker).reserve_seconds = 0.3
+        async with cluster.running() as coordinator:
+            task = asyncio.ensure_future(tokens_of(coordinator))
+            await until(lambda: any(r.route for r in coordinator._requests.values()))
+            [request] = coordinator._requests.values()
+            await coordinator.switch_role(request.route.prefill_id, "decode")
+            assert await task == OUTPUT[:8]
 
     run(main())

@@ -386,10 +386,14 @@ def test_a_request_longer_than_the_context_is_a_400_not_a_hang(deployment):
         SimRequest(0.0, prompt(1024, 1 << 20), 5),  # no room for one output token
         SimRequest(0.0, prompt(1000, 1 << 21), 25),  # 1,025 tokens: 24 of its output fit
         SimRequest(0.0, prompt(1000, 1 << 22), 24),  # exactly the context: served
+        SimRequest(0.0, prompt(10, 1 << 23), 1025),  # max_tokens past the context itself
     ]
     sim = Simulation(scenario(*deployment, num_blocks=64), requests, LoadConfig(max_duration_s=60))
     outcome = sim.run()
-    too_long, cut, fits = outcome.runs
+    too_long, cut, fits, asks_too_much = outcome.runs
+    assert asks_too_much.error == (
+        "HTTP 400 Bad Request: max_tokens is 1025, more than this model's context (1024 tokens)"
+    )
     assert too_long.error == (
         "HTTP 400 Bad Request: the prompt has 1024 tokens; this server serves at most 1024 "
         "tokens of context, prompt and output together"
