@@ -137,7 +137,7 @@ BAD_REQUESTS = [
                               "model": "gpt-4"}, 404, "model"),
     ("/detokenize", {"tokens": [10**9]}, 400, "tokens"),
     # max_tokens is cut to the context left; min_tokens past it cannot be met.
-    ("/v1/completions", {"prompt": list(range(3, 500)), "max_tokens": 100, "min_tokens": 50},
+    ("/v1/completions", {"prompt": LONG_PROMPT[:497], "max_tokens": 100, "min_tokens": 50},
      400, "min_tokens"),
     # The field, not pydantic's steps through a union ("stop.str", "tool_choice.literal[...]").
     ("/v1/completions", {"prompt": "hi", "stop": [1]}, 400, "stop"),
