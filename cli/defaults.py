@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 from typing import Any
+
+DEVICES = ["auto", "cpu", "cuda"]
 
 
 def default_of(cls: type, name: str) -> Any:
@@ -17,3 +20,17 @@ def default_of(cls: type, name: str) -> Any:
             return field.default_factory()
         raise TypeError(f"{cls.__name__}.{name} has no default")
     raise TypeError(f"{cls.__name__} has no field {name!r}")
+
+
+def add_tensor_parallel_flag(parser: argparse._ActionsContainer, help: str) -> None:
+    """`--tensor-parallel-size` / `-tp`, as every command that loads a model spells it."""
+    from engine.config import EngineConfig
+
+    parser.add_argument(
+        "--tensor-parallel-size",
+        "-tp",
+        type=int,
+        default=default_of(EngineConfig, "tensor_parallel_size"),
+        metavar="N",
+        help=help,
+    )

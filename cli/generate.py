@@ -6,7 +6,7 @@ import argparse
 import json
 from pathlib import Path
 
-from cli.defaults import default_of
+from cli.defaults import add_tensor_parallel_flag, default_of
 from cli.errors import CliError
 from engine.config import EngineConfig
 from loadtest.cli import DefaultsFormatter
@@ -49,13 +49,8 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         choices=list(DTYPE_BYTES),
         help="weights",
     )
-    p.add_argument(
-        "--tensor-parallel-size",
-        "-tp",
-        type=int,
-        default=default_of(EngineConfig, "tensor_parallel_size"),
-        metavar="N",
-        help="split the model across N ranks (local processes: GPUs, or CPU cores)",
+    add_tensor_parallel_flag(
+        p, "split the model across N ranks (local processes: GPUs, or CPU cores)"
     )
     p.add_argument("--json", action="store_true", help="one JSON object per prompt")
     p.set_defaults(run=run)

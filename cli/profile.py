@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from cli.defaults import default_of
+from cli.defaults import DEVICES, add_tensor_parallel_flag, default_of
 from cli.errors import CliError
 from engine.config import EngineConfig
 from kvtransfer.names import TRANSPORT_NAMES
@@ -60,16 +60,11 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--device",
         default="auto",
-        choices=["auto", "cpu", "cuda"],
+        choices=DEVICES,
         help="where the steps run; auto: cuda if there is a GPU (with --address: in the cluster)",
     )
-    p.add_argument(
-        "--tensor-parallel-size",
-        "-tp",
-        type=int,
-        default=default_of(EngineConfig, "tensor_parallel_size"),
-        metavar="N",
-        help="split the model across N ranks, as each worker of the pool will be",
+    add_tensor_parallel_flag(
+        p, "split the model across N ranks, as each worker of the pool will be"
     )
     cluster = p.add_argument_group(
         "on a Ray cluster (`ray up`: the head that runs `tandem serve` has no GPU)"

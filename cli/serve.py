@@ -17,7 +17,7 @@ import signal
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from cli.defaults import default_of
+from cli.defaults import DEVICES, add_tensor_parallel_flag, default_of
 from cli.errors import CliError
 from coordinator.api.settings import TOOL_CALL_PARSERS, ServerSettings
 from coordinator.deploy import MODES, PLANNER_MODES, ROUTING_POLICIES, DeployConfig
@@ -137,7 +137,7 @@ def _add_model_flags(g: argparse._ArgumentGroup) -> None:
     g.add_argument(
         "--device",
         default="auto",
-        choices=["auto", "cpu", "cuda"],
+        choices=DEVICES,
         help="auto: cuda if the Ray cluster has GPUs",
     )
     g.add_argument(
@@ -184,13 +184,8 @@ def _add_model_flags(g: argparse._ArgumentGroup) -> None:
         action="store_true",
         help="on CUDA, run every decode step eagerly instead of replaying CUDA graphs",
     )
-    g.add_argument(
-        "--tensor-parallel-size",
-        "-tp",
-        type=int,
-        default=engine("tensor_parallel_size"),
-        metavar="N",
-        help="ranks each worker's model is split across: GPUs, or CPU cores (one per rank)",
+    add_tensor_parallel_flag(
+        g, "ranks each worker's model is split across: GPUs, or CPU cores (one per rank)"
     )
 
 
