@@ -80,6 +80,11 @@ def run(args: argparse.Namespace) -> int:
         _model_folder(args.model), dtype=args.dtype, tensor_parallel_size=args.tensor_parallel_size
     )
     try:
+        if params.max_tokens > llm.engine.max_model_len:  # as `tandem serve` refuses it
+            raise CliError(
+                f"--max-tokens {params.max_tokens} is more than this model's context "
+                f"({llm.engine.max_model_len} tokens)"
+            )
         if args.chat:
             outputs = llm.chat([[{"role": "user", "content": p}] for p in args.prompt], params)
         else:

@@ -27,6 +27,8 @@ if TYPE_CHECKING:
     from planning.cost_model import StepCostModel
     from planning.transfer_model import TransferCostModel
 
+PLACEMENT_TIMEOUT_S = 600.0  # --address: a node the autoscaler starts takes minutes
+SWEEP_TIMEOUT_S = 7200.0  # --address: a full sweep of a large model
 NOISY_CORES = 0.25  # other processes' CPU during a sweep past which its times are suspect
 TELEMETRY_HELDOUT_EVERY = 5  # live records repeat no shape on purpose: hold out every 5th
 
@@ -82,16 +84,16 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     cluster.add_argument(
         "--placement-timeout",
         type=float,
-        default=600.0,
         metavar="SECONDS",
-        help="with --address: how long a node may take to be found or started",
+        help=f"with --address: how long a node may take to be found or started "
+        f"(default: {PLACEMENT_TIMEOUT_S:g})",
     )
     cluster.add_argument(
         "--sweep-timeout",
         type=float,
-        default=7200.0,
         metavar="SECONDS",
-        help="with --address: how long the sweep may take once placed",
+        help=f"with --address: how long the sweep may take once placed "
+        f"(default: {SWEEP_TIMEOUT_S:g})",
     )
     kv = p.add_argument_group("KV transfer")
     kv.add_argument(
@@ -118,11 +120,18 @@ def run(args: argparse.Namespace) -> int:
         value = getattr(args, flag)
         if value is not None and value < 1:
             raise CliError(f"--{flag.replace('_', '-')} must be at least 1")
-    for flag in ("placement_timeout", "sweep_timeout"):
-        if not 0 < getattr(args, flag) < float("inf"):
+    for flag in ("pool", "placement_timeout", "sweep_timeout"):
+        if getattr(args, flag) is not None and args.address is None:
+            name = flag.replace("_", "-")
+            raise CliError(f"--{name} needs --address (a sweep on a cluster's node)")
+    for flag, default in (
+        ("placement_timeout", PLACEMENT_TIMEOUT_S),
+        ("sweep_timeout", SWEEP_TIMEOUT_S),
+    ):
+        value = getattr(args, flag)
+        if value is not None and not 0 < value < float("inf"):
             raise CliError(f"--{flag.replace('_', '-')} must be a positive number of seconds")
-    if args.pool is not None and args.address is None:
-        raise CliError("--pool needs --address (a cluster whose nodes belong to pools)")
+        setattr(args, flag, default if value is None else value)
     if args.address is not None and args.from_telemetry is not None:
         raise CliError("--address runs a sweep; --from-telemetry fits records instead")
     if args.address is not None and args.transport is not None:

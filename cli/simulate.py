@@ -152,6 +152,9 @@ def run(args: argparse.Namespace) -> int:
     from simulation.report import simulated_record
     from simulation.workload import SimulationError
 
+    for flag in ("sweep", "plot", "label"):  # bench's, with no meaning here yet
+        if getattr(args, flag, None) is not None:
+            raise CliError(f"--{flag} is tandem bench's; tandem simulate does not take it")
     bench = config_from_args(args)
     if bench.output.save_result is not None:  # refused now, not after the run
         check_result_target(bench.output.save_result)

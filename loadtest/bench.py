@@ -34,6 +34,8 @@ from loadtest.sweep import format_sweep, goodput_of, run_sweep, sweep_record
 from loadtest.target import Target, build_target, resolve_model
 from loadtest.token_count import TokenCounter, open_counter
 
+SETUP_TIMEOUT_S = 30.0  # each setup call to the server (its model list, its tokenizer)
+
 
 def run_bench(config: BenchConfig, out: TextIO) -> Record:
     """Runs the benchmark, prints its table to `out` and returns its record (a sweep's record
@@ -41,7 +43,10 @@ def run_bench(config: BenchConfig, out: TextIO) -> Record:
     if config.output.save_result is not None:  # refused now, not after the run
         check_result_target(config.output.save_result)
     # trust_env=False: requests go straight to the server, never through a configured proxy.
-    with httpx.Client(timeout=config.target.request_timeout_s, trust_env=False) as http:
+    # The setup calls (/v1/models, /tokenize) answer at once from a live server: a server that
+    # accepts connections and says nothing fails here in seconds, not --request-timeout.
+    setup_timeout = min(config.target.request_timeout_s, SETUP_TIMEOUT_S)
+    with httpx.Client(timeout=setup_timeout, trust_env=False) as http:
         model = resolve_model(http, config.target)
         target = build_target(config.target, model)
         counter = open_counter(

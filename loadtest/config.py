@@ -105,6 +105,18 @@ class LoadConfig:
         _require(self.seed >= 0, "--seed must be >= 0")  # (numpy's generators take no other)
 
 
+# Tokens one prompt or output of a made-up dataset may have: past any model's context, and
+# still within memory (a prompt is held as a list of ids; a typo of 10^8 took 19 GB).
+MAX_DATASET_TOKENS = 1 << 20
+
+
+def _lengths_bounded(*lengths: float) -> None:
+    _require(
+        all(n <= MAX_DATASET_TOKENS for n in lengths),
+        f"dataset lengths must be at most {MAX_DATASET_TOKENS:,} tokens",
+    )
+
+
 @dataclass(frozen=True)
 class RandomSpec:
     name: ClassVar[str] = "random"
@@ -117,6 +129,8 @@ class RandomSpec:
         _require(self.input_len > 0 and self.output_len > 0, "random lengths must be > 0")
         _require(0 <= self.range_ratio < 1, "--random-range-ratio must be in [0, 1)")
         _require(self.prefix_len >= 0, "--random-prefix-len must be >= 0")
+        longest = self.input_len * (1 + self.range_ratio)
+        _lengths_bounded(longest + self.prefix_len, self.output_len * (1 + self.range_ratio))
 
 
 @dataclass(frozen=True)
@@ -138,6 +152,7 @@ class PrefixRepetitionSpec:
     def __post_init__(self) -> None:
         lens = (self.num_prefixes, self.prefix_len, self.suffix_len, self.output_len)
         _require(min(lens) > 0, "prefix-repetition counts and lengths must be > 0")
+        _lengths_bounded(self.prefix_len + self.suffix_len, self.output_len)
 
 
 @dataclass(frozen=True)
@@ -157,6 +172,7 @@ class MixedSpec:
             min(self.short_len, self.long_len, self.output_len) > 0, "mixed lengths must be > 0"
         )
         _require(0 <= self.long_fraction <= 1, "--mixed-long-fraction must be in [0, 1]")
+        _lengths_bounded(self.short_len, self.long_len, self.output_len)
         _require(0 <= self.range_ratio < 1, "--random-range-ratio must be in [0, 1)")
 
 

@@ -26,6 +26,7 @@ to about 0.
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -161,6 +162,11 @@ class StepCostModel:
             unknown = set(coefficients) - set(FEATURES)
             if unknown:
                 raise CostModelError(f"unknown cost features: {', '.join(sorted(unknown))}")
+            bad = [n for n, c in coefficients.items() if not 0 <= float(c) < math.inf]
+            if bad:  # (NaN fails too) a fit never gives these: a hand-edited file does
+                raise CostModelError(
+                    f"cost coefficients must be finite and >= 0: {', '.join(sorted(bad))}"
+                )
             return cls(
                 tuple(coefficients),
                 tuple(float(c) for c in coefficients.values()),

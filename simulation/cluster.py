@@ -41,9 +41,11 @@ from simulation.deployment import Scenario
 from simulation.interference import slowed
 from simulation.leap import Leap, cut, plan_leap, settle
 from simulation.worker import PacedStep, SimWorker
-from simulation.workload import SimRequest, SimulationError
+from simulation.workload import MAX_ARRIVAL_S, SimRequest, SimulationError
 
 FRESH_TOKEN_BASE = 1 << 40  # made-up output tokens of real (list) prompts: shared by none
+
+MAX_SIMULATED_S = 2 * MAX_ARRIVAL_S  # the last arrival, then as long again to finish
 
 
 @dataclass(eq=False)
@@ -185,7 +187,10 @@ class Simulation:
         collecting = gc.isenabled()
         gc.disable()
         try:
-            num_events = self._loop(self.load.max_duration_s or math.inf)
+            # However long the steps a profile prices (a typo of 1e6 s a step), the simulated
+            # time ends: past it, what is unfinished counts as aborted, as at --max-duration.
+            limit = min(self.load.max_duration_s or math.inf, MAX_SIMULATED_S)
+            num_events = self._loop(limit)
         finally:
             if collecting:
                 gc.enable()

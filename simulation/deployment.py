@@ -93,10 +93,12 @@ class Deployment:
             raise SimulationError("paced cores take no interference factors (their threads are it)")
         for factors in (self.prefill_interference, self.decode_interference):
             if isinstance(factors, tuple):
-                if not factors or min(factors) <= 0:
+                if not factors or not all(0 < f < math.inf for f in factors):
                     raise SimulationError("measured interference factors must be more than 0")
-            elif factors < 1:
-                raise SimulationError("prefill_interference and decode_interference must be >= 1")
+            elif not 1 <= factors < math.inf:  # (NaN fails too)
+                raise SimulationError(
+                    "prefill_interference and decode_interference must be finite and >= 1"
+                )
         measured = [f for pair in self.thread_noise.values() for kind in pair for f in kind]
         if min([*self.step_noise, *self.prefill_step_noise, *measured], default=1) <= 0:
             raise SimulationError("step_noise factors must be more than 0")

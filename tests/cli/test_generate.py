@@ -105,6 +105,11 @@ def test_bad_sampling_value(tiny_llama) -> None:
     assert_one_line_error(result, "top_p")
 
 
+def test_max_tokens_past_the_context(tiny_llama) -> None:
+    args = ("generate", "--model", str(tiny_llama), "--prompt", "hi", "--max-tokens", "100000")
+    assert_one_line_error(tandem(*args), "is more than this model's context")
+
+
 @pytest.fixture
 def broken(tiny_llama, tmp_path):
     folder = tmp_path / "broken"

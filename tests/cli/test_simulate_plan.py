@@ -78,6 +78,10 @@ def test_simulate_late_after_serves_newest_first_under_overload(tmp_path, capsys
         (["--paced-cores", "2", "--host-cores", "2"], "not both"),
         (["--paced-cores", "2", "--thread-profile", "one=x.json"], "THREADS=PATH"),
         (["--paced-cores", "2", "--thread-profile", "1=/nonexistent.json"], "nonexistent"),
+        (["--prefill-interference", "nan"], "must be finite and >= 1"),
+        (["--sweep", "request-rate=1,2"], "--sweep is tandem bench's"),
+        (["--plot", "plots"], "--plot is tandem bench's"),
+        (["--random-input-len", "100000000"], "dataset lengths must be at most 1,048,576"),
     ],
 )
 def test_bad_simulate_input_is_one_line(extra, message, capsys):
@@ -163,3 +167,35 @@ def test_plan_rejects_negative_jobs(capsys):
     args = ["plan", "--profile", str(PROFILE), "--gpus", "2", "--slo", "ttft_p99=2s", *WORKLOAD]
     assert main([*args, "--jobs", "-1"]) == 1
     assert "--jobs" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("coefficient", "value"), [("step", float("inf")), ("step", float("nan")), ("step", -1.0)]
+)
+def test_a_profile_with_a_cost_no_fit_gives_is_refused(tmp_path, capsys, coefficient, value):
+    """A hand-edited profile: an infinite step looped forever, a negative one gave TTFTs of 0."""
+    data = json.loads(PROFILE.read_text())
+    data["coefficients"][coefficient] = value
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps(data))
+    assert main(["simulate", "--profile", str(bad), *WORKLOAD]) == 1
+    err = capsys.readouterr().err
+    assert "cost coefficients must be finite and >= 0: step" in err
+    assert len(err.strip().splitlines()) == 1
+
+
+def test_a_simulation_ends_however_long_its_steps(tmp_path, capsys, monkeypatch):
+    """Steps of a million seconds each: the simulated time ends at its cap (here lowered), and
+    what is unfinished then counts as aborted, instead of polling stats forever."""
+    import simulation.cluster
+
+    monkeypatch.setattr(simulation.cluster, "MAX_SIMULATED_S", 5_000.0)
+    data = json.loads(PROFILE.read_text())
+    data["coefficients"]["step"] = 1e6
+    slow = tmp_path / "slow.json"
+    slow.write_text(json.dumps(data))
+    args = ["simulate", "--profile", str(slow), *WORKLOAD[:-4], "--num-prompts", "2",
+            "--num-kv-blocks", "512", "--save-result", "--result-dir", str(tmp_path),
+            "--result-filename", "s.json"]  # fmt: skip
+    assert main(args) == 0
+    assert json.loads((tmp_path / "s.json").read_text())["completed"] == 0

@@ -84,6 +84,8 @@ def test_a_model_that_does_not_split_is_refused_before_any_node_is_asked(
     "argv,error",
     [
         (["--pool", "decode"], "--pool needs --address"),
+        (["--placement-timeout", "5"], "--placement-timeout needs --address"),
+        (["--sweep-timeout", "1"], "--sweep-timeout needs --address"),
         (["--address", "auto", "--from-telemetry", "x.json"], "--from-telemetry fits records"),
         (["--address", "auto", "--transport", "gloo"], "only the step sweep runs on the cluster"),
         (["-tp", "0"], "--tensor-parallel-size must be at least 1"),

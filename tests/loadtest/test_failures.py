@@ -36,6 +36,22 @@ def test_unreachable_server(closed_url: str) -> None:
     assert bench_error(closed_url).startswith(f"cannot reach {closed_url}/v1/models: ")
 
 
+def test_a_server_that_accepts_and_never_answers_fails_in_seconds(monkeypatch) -> None:
+    """A hung server, or a port another service holds: the setup calls have their own short
+    deadline (they waited --request-timeout, 600 s, printing nothing)."""
+    import time
+
+    import loadtest.bench
+
+    monkeypatch.setattr(loadtest.bench, "SETUP_TIMEOUT_S", 0.5)
+    with socket.create_server(("127.0.0.1", 0)) as silent:  # listens; never accepts or reads
+        url = f"http://127.0.0.1:{silent.getsockname()[1]}"
+        started = time.monotonic()
+        message = bench_error(url)
+    assert message.startswith(f"cannot reach {url}/v1/models: ") and "timed out" in message
+    assert time.monotonic() - started < 10
+
+
 def test_unreachable_server_with_model_given(closed_url: str, tmp_path: Path) -> None:
     folder = tmp_path / "no-such-tokenizer"
     message = bench_error(closed_url, "--model", "m", "--tokenizer", str(folder))
