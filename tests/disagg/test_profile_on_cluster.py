@@ -90,7 +90,7 @@ def test_a_model_that_does_not_split_is_refused_before_any_node_is_asked(
         (["--address", "auto", "--transport", "gloo"], "only the step sweep runs on the cluster"),
         (["-tp", "0"], "--tensor-parallel-size must be at least 1"),
         (["--address", "auto", "--placement-timeout", "0"], "--placement-timeout must be"),
-        (["--sweep-timeout", "inf"], "--sweep-timeout must be a positive number"),
+        (["--address", "auto", "--sweep-timeout", "inf"], "--sweep-timeout must be a positive"),
     ],
 )
 def test_cluster_flag_errors(argv: list[str], error: str, capsys) -> None:
