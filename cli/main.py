@@ -46,7 +46,10 @@ def _fetch_model(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:  # said by the subcommand's parser: its name, its --help
+        _subcommand(parser, args.command).error(f"unrecognized arguments: {' '.join(unknown)}")
     run: Callable[[argparse.Namespace], int] = args.run
     try:
         return run(args)
@@ -57,6 +60,13 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise
         print(f"tandem {args.command}: error: {_describe(err)}", file=sys.stderr)
         return EXIT_FAILURE
+
+
+def _subcommand(parser: argparse.ArgumentParser, name: str) -> argparse.ArgumentParser:
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            return action.choices[name]
+    return parser
 
 
 def _describe(err: Exception) -> str:

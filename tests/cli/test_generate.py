@@ -97,7 +97,10 @@ def test_bad_flag_value() -> None:
 
 
 def test_unknown_flag() -> None:
-    assert_one_line_error(tandem("generate", "--prompt", "hi", "--bogus"), "--bogus")
+    result = tandem("generate", "--prompt", "hi", "--bogus")
+    assert_one_line_error(result, "--bogus")
+    assert result.stderr.startswith("tandem generate: error: unrecognized arguments: --bogus")
+    assert "(see tandem generate --help)" in result.stderr  # the subcommand's, not tandem's
 
 
 def test_bad_sampling_value(tiny_llama) -> None:
