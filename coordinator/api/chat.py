@@ -37,7 +37,7 @@ from coordinator.api.responses import (
     Usage,
 )
 from coordinator.api.sse import TextFrames
-from coordinator.api.tool_calls import HermesParser, ParsedCall, split_reply
+from coordinator.api.tool_calls import HermesParser, ParsedCall, new_call_id, split_reply
 from engine.outputs import RequestOutput
 
 router = APIRouter()
@@ -87,8 +87,12 @@ def _choice(
     logprobs = chat_logprobs(ctx.token_texts, *all_logprobs(out)) if body.logprobs else None
     content: str | None = out.text
     calls: list[ParsedCall] = []
-    if _parses_tools(ctx, body):
+    finish_reason = out.finish_reason
+    if body.forced_tool is not None:  # the whole reply is the call's arguments
+        content, calls = None, [_forced_call(body, out)]
+    elif _parses_tools(ctx, body):
         content, calls = split_reply(out.text)
+        finish_reason = "tool_calls" if calls else finish_reason
     return ChatChoice(
         index=index,
         message=AssistantMessage(
@@ -96,13 +100,19 @@ def _choice(
             tool_calls=[_call_out(call) for call in calls],
         ),
         logprobs=logprobs,
-        finish_reason="tool_calls" if calls else out.finish_reason,
+        finish_reason=finish_reason,
         stop_reason=out.stop_reason,
     )
 
 
 def _parses_tools(ctx: ServerContext, body: ChatCompletionRequest) -> bool:
     return body.effective_tool_choice == "auto" and ctx.settings.tool_call_parser is not None
+
+
+def _forced_call(body: ChatCompletionRequest, out: RequestOutput) -> ParsedCall:
+    """The call a named tool_choice forced: its arguments are the reply, held to the function's
+    parameters (OpenAI's finish_reason is then "stop", as the caller chose the call)."""
+    return ParsedCall(new_call_id(), body.forced_tool.function.name, out.text)
 
 
 def _call_out(call: ParsedCall) -> ToolCallOut:
@@ -155,8 +165,14 @@ async def _chunks(
     # Each choice's tool-call parser, when the reply may hold calls: text goes on as it comes,
     # a call once its closing tag has come (coordinator/api/tool_calls.py).
     parsers = {c.index: HermesParser() for c in job.choices} if _parses_tools(ctx, body) else {}
+    forced = body.forced_tool is not None
     async for index, out in outputs:
         latest[index] = out
+        if forced:  # the call goes whole, once its arguments are complete
+            if out.finished:
+                choice = _tool_call_choice(index, [_forced_call(body, out)], 0, out)
+                yield chunk([choice.model_copy(update={"finish_reason": out.finish_reason})])
+            continue
         text, calls = out.delta_text, []
         parser = parsers.get(index)
         if parser is not None:

@@ -363,24 +363,54 @@ class ChatCompletionRequest(TemplateOptions, SamplingRequest):
     logprobs: bool = False
     top_logprobs: int | None = None
     # "auto" (the default with tools) needs the server's tool-call parser (chat.py checks);
-    # "required" and a named function (a forced call) are not done yet.
+    # a named function is a forced call, its arguments held to its parameters' schema;
+    # "required" (a call to any of them) is not done yet.
     tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
 
     @model_validator(mode="after")
     def _logprob_flags(self) -> ChatCompletionRequest:
         if self.top_logprobs is not None and not self.logprobs:
             raise _body_error("top_logprobs", "top_logprobs needs logprobs set to true")
-        if self.effective_tool_choice not in ("none", "auto"):
+        if self.effective_tool_choice == "required":
             raise _body_error(
                 "tool_choice",
-                f"tool_choice {self.effective_tool_choice!r} (a forced call) is not supported: "
-                'send "auto" (to a server started with --enable-auto-tool-choice) or "none", '
-                "or ask for the arguments with a json_schema response_format",
+                'tool_choice "required" is not supported: name the function ({"type": '
+                '"function", "function": {"name": ...}}), or send "auto" (to a server started '
+                'with --enable-auto-tool-choice) or "none"',
             )
+        if isinstance(self.tool_choice, dict):
+            self._forced_tool()  # a named function that is not among the tools: a 400 now
+            if self.response_format is not None or self.structured_outputs is not None:
+                raise _body_error("tool_choice", "a forced call takes no response_format")
         both = self.max_tokens is not None and self.max_completion_tokens is not None
         if both and self.max_tokens != self.max_completion_tokens:
             raise _body_error("max_tokens", "max_tokens and max_completion_tokens differ")
         return self
+
+    def _forced_tool(self) -> Tool:
+        choice = self.tool_choice
+        function = choice.get("function") if isinstance(choice, dict) else None
+        name = function.get("name") if isinstance(function, dict) else None
+        if choice.get("type") != "function" or not isinstance(name, str):
+            raise _body_error(
+                "tool_choice",
+                'a named tool_choice is {"type": "function", "function": {"name": ...}}',
+            )
+        for tool in self.tools or []:
+            if tool.function.name == name:
+                return tool
+        raise _body_error("tool_choice", f"tool_choice names {name!r}, which is not in tools")
+
+    @property
+    def forced_tool(self) -> Tool | None:
+        """The function tool_choice names: the reply is one call to it."""
+        return self._forced_tool() if isinstance(self.tool_choice, dict) else None
+
+    def structure(self) -> tuple[str, str] | None:
+        tool = self.forced_tool
+        if tool is None:
+            return super().structure()
+        return ("json_schema", json.dumps(tool.function.parameters or {"type": "object"}))
 
     @property
     def effective_tool_choice(self) -> str | dict[str, Any]:

@@ -94,7 +94,11 @@ def _parse(body: str) -> ParsedCall | None:
     arguments = call.get("arguments", call.get("parameters", {}))
     if not isinstance(arguments, str):
         arguments = json.dumps(arguments, ensure_ascii=False)
-    return ParsedCall(f"call_{uuid.uuid4().hex[:24]}", call["name"], arguments)
+    return ParsedCall(new_call_id(), call["name"], arguments)
+
+
+def new_call_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"
 
 
 def _partial_tag(text: str) -> int:

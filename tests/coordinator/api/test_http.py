@@ -123,6 +123,11 @@ BAD_REQUESTS = [
                               "tools": [WEATHER]}, 400, "tool_choice"),  # "auto" by default
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
                               "tools": [WEATHER], "tool_choice": "required"}, 400, "tool_choice"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "tools": [WEATHER],
+                              "tool_choice": {"type": "function", "function": {"name": "nope"}}},
+     400, "tool_choice"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "tools": [WEATHER],
+                              "tool_choice": {"type": "function"}}, 400, "tool_choice"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
                               "tool_choice": "auto"}, 400, "tool_choice"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
@@ -374,3 +379,30 @@ def test_a_schema_the_workers_cannot_compile_is_an_error_not_a_hang(http) -> Non
     }
     error = assert_error(http.post("/v1/completions", json=body), 500)
     assert "cannot be used" in error["message"]
+
+
+def test_a_named_tool_choice_forces_one_call_with_arguments_that_fit(http) -> None:
+    """OpenAI's forced call: the reply is one call to the named function, its arguments held
+    to the function's parameters (finish_reason "stop"); streamed, the call comes whole."""
+    pytest.importorskip("xgrammar")
+    weather = {"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string", "enum": ["Paris", "Oslo"]}},
+        "required": ["city"], "additionalProperties": False}}}  # fmt: skip
+    body = {"messages": [{"role": "user", "content": "weather?"}], "tools": [weather],
+            "tool_choice": {"type": "function", "function": {"name": "get_weather"}},
+            "max_tokens": 30, "temperature": 0}  # fmt: skip
+    reply = http.post("/v1/chat/completions", json=body).json()
+    choice = reply["choices"][0]
+    assert choice["finish_reason"] == "stop" and choice["message"]["content"] is None
+    [call] = choice["message"]["tool_calls"]
+    assert call["function"]["name"] == "get_weather" and call["id"].startswith("call_")
+    assert json.loads(call["function"]["arguments"]) in ({"city": "Paris"}, {"city": "Oslo"})
+    with http.stream("POST", "/v1/chat/completions", json={**body, "stream": True}) as response:
+        chunks = [json.loads(d) for d in events(response)[:-1]]
+    deltas = [c["choices"][0] for c in chunks]
+    assert deltas[0]["delta"]["role"] == "assistant"
+    [last] = [d for d in deltas if d["delta"].get("tool_calls")]
+    assert last["finish_reason"] == "stop"
+    streamed = last["delta"]["tool_calls"][0]["function"]
+    assert streamed["name"] == "get_weather"
+    assert streamed["arguments"] == call["function"]["arguments"]
