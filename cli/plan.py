@@ -62,6 +62,12 @@ def run(args: argparse.Namespace) -> int:
         raise CliError(f"--gpus takes at most {MAX_GPUS}")
     if args.jobs < 0:
         raise CliError("--jobs must be 0 (one per CPU) or more")
+    if args.gpus < args.tp:
+        raise CliError(f"{args.gpus} GPUs hold no worker of {args.tp} GPUs (--tp)")
+    target = args.plan_json
+    if target is not None and (target.is_dir() or not target.parent.is_dir()):  # before the search
+        where = "is a folder" if target.is_dir() else "is in no existing folder"
+        raise CliError(f"--plan-json {target} {where}")
     jobs = args.jobs or len(os.sched_getaffinity(0))
     bench = config_from_args(args)
     scenario = scenario_from_args(args)

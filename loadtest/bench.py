@@ -23,6 +23,7 @@ from loadtest.metrics import compute_metrics
 from loadtest.report import format_record
 from loadtest.results import (
     Record,
+    check_plot_dir,
     check_result_target,
     result_path,
     result_record,
@@ -42,6 +43,8 @@ def run_bench(config: BenchConfig, out: TextIO) -> Record:
     holds one record per load)."""
     if config.output.save_result is not None:  # refused now, not after the run
         check_result_target(config.output.save_result)
+    if config.output.plot_dir is not None:
+        check_plot_dir(config.output.plot_dir)
     # trust_env=False: requests go straight to the server, never through a configured proxy.
     # The setup calls (/v1/models, /tokenize) answer at once from a live server: a server that
     # accepts connections and says nothing fails here in seconds, not --request-timeout.

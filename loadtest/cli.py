@@ -233,7 +233,10 @@ def _sharegpt_spec(args: argparse.Namespace) -> ShareGPTSpec:
 
 def _compare(paths: list[Path], plot_dir: Path | None) -> int:
     from loadtest.compare import compare_table, load_labelled, plot_comparison
+    from loadtest.results import check_plot_dir
 
+    if plot_dir is not None:
+        check_plot_dir(plot_dir)
     labelled = load_labelled(paths)
     print(compare_table(labelled))
     if plot_dir is not None:

@@ -137,6 +137,14 @@ def check_result_target(where: ResultFile) -> None:
             raise BenchError(f"the result file {path} is a folder")
 
 
+def check_plot_dir(plot_dir: Path) -> None:
+    """Refuses, before a run, a --plot folder the plots could not be written to."""
+    try:
+        plot_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise BenchError(f"--plot {plot_dir} cannot be used: {err.strerror}") from None
+
+
 def save_record(record: Mapping[str, Any], path: Path) -> None:
     """Writes the record; when `path` cannot be written, writes it to the working folder
     instead (a long run's results are not lost) and raises BenchError naming both."""

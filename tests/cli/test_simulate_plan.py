@@ -163,6 +163,23 @@ def test_plan_rejects_a_malformed_slo(capsys):
     assert "metric_pNN=limit" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (["--gpus", "4", "--tp", "8"], "4 GPUs hold no worker of 8 GPUs"),
+        (["--gpus", "2", "--plan-json", "{tmp}"], "is a folder"),
+        (["--gpus", "2", "--plan-json", "{tmp}/no/such/plan.json"], "is in no existing folder"),
+    ],
+)
+def test_plan_refuses_before_it_searches(tmp_path, capsys, extra, message):
+    """Said before the table's header (or after the whole search, for --plan-json)."""
+    extra = [part.replace("{tmp}", str(tmp_path)) for part in extra]
+    args = ["plan", "--profile", str(PROFILE), "--slo", "ttft_p99=2s", *WORKLOAD, *extra]
+    assert main(args) == 1
+    out, err = capsys.readouterr()
+    assert message in err and out == ""
+
+
 def test_plan_rejects_negative_jobs(capsys):
     args = ["plan", "--profile", str(PROFILE), "--gpus", "2", "--slo", "ttft_p99=2s", *WORKLOAD]
     assert main([*args, "--jobs", "-1"]) == 1

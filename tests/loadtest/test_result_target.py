@@ -33,3 +33,18 @@ def test_a_record_that_cannot_be_written_is_kept_in_the_working_folder(
         save_record({"completed": 3}, tmp_path / "file" / "r.json")  # its parent is a file
     kept = str(raised.value).rsplit(" ", 1)[-1]
     assert json.loads((tmp_path / kept).read_text()) == {"completed": 3}
+
+
+def test_a_plot_folder_that_cannot_be_made_is_refused_before_the_run(tmp_path, capsys) -> None:
+    """bench (and bench compare) found out only after the whole run, with a bare exception."""
+    from cli.main import main
+
+    (tmp_path / "taken").write_text("x")
+    closed = "http://127.0.0.1:9"  # never reached: the --plot check comes first
+    argv = ["bench", "--base-url", closed, "--model", "m", "--plot", str(tmp_path / "taken")]
+    assert main(argv) == 1
+    err = capsys.readouterr().err
+    assert err.startswith(f"tandem bench: error: --plot {tmp_path / 'taken'} cannot be used")
+    argv = ["bench", "compare", "a.json", "b.json", "--plot", str(tmp_path / "taken")]
+    assert main(argv) == 1
+    assert "--plot" in capsys.readouterr().err
