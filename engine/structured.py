@@ -40,18 +40,24 @@ class Structures:
         self, request_id: str, spec: tuple[str, str], output_ids: list[int]
     ) -> torch.Tensor:
         """The tokens that may come next, as an int32 bitmask [ceil(vocab / 32)]."""
-        import xgrammar
+        matcher = self.matchers.get(request_id) or self._matcher(request_id, spec, output_ids)
+        import xgrammar  # (loaded already: the matcher is its)
 
-        matcher = self.matchers.get(request_id)
-        if matcher is None:
-            matcher = xgrammar.GrammarMatcher(self.compile(spec))
-            for token in output_ids:
-                if not matcher.accept_token(token):
-                    raise RequestError(f"output token {token} does not fit the response format")
-            self.matchers[request_id] = matcher
         bitmask = xgrammar.allocate_token_bitmask(1, self.vocab_size)
         matcher.fill_next_token_bitmask(bitmask, 0)
         return bitmask[0]
+
+    def _matcher(self, request_id: str, spec: tuple[str, str], output_ids: list[int]) -> Any:
+        """A new matcher for the sequence, having read the output it has so far."""
+        compiled = self.compile(spec)  # first: without xgrammar, it says how to get it
+        import xgrammar
+
+        matcher = xgrammar.GrammarMatcher(compiled)
+        for token in output_ids:
+            if not matcher.accept_token(token):
+                raise RequestError(f"output token {token} does not fit the response format")
+        self.matchers[request_id] = matcher
+        return matcher
 
     def advance(self, request_id: str, token: int) -> bool:
         """Reads the sampled token into the sequence's matcher (if it has one); True once the

@@ -98,3 +98,13 @@ def test_a_schema_the_grammar_compiler_refuses_fails_its_request_alone(tiny_llam
     assert [u.request_id for u in failed] == ["bad"] and "cannot be used" in failed[0].reason
     assert sum(len(u.token_ids) for u in updates if u.request_id == "good") == 3
     assert not engine.structures.matchers and not engine.has_unfinished
+
+
+def test_without_xgrammar_a_structured_request_says_how_to_get_it(tiny_llama, monkeypatch):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "xgrammar", None)  # import xgrammar raises ImportError
+    engine = LLMEngine(EngineConfig(tiny_llama, dtype="float32", block_size=4, num_kv_blocks=64))
+    engine.add_request("r", PROMPT, SamplingParams(max_tokens=3, structure=("regex", "a")))
+    [failed] = engine.step()
+    assert isinstance(failed, RequestFailed) and "pip install xgrammar" in failed.reason
