@@ -47,7 +47,7 @@ from planning.model_file import PROFILE_FILE, CostModelError
 from planning.planner import Planner, PlannerConfig
 from planning.slo import SloError, parse_slo, planner_targets
 from protocol.core_ledger import CoreLedger, new_ledger, sweep
-from protocol.kv import DTYPE_BYTES
+from protocol.kv import DTYPE_BYTES, KVLayout
 
 log = logging.getLogger(__name__)
 LOCAL_LOGICAL_CPUS = 32  # placements a cluster tandem starts itself allows
@@ -169,8 +169,8 @@ def check_kv_budget(engine: EngineConfig, deploy: DeployConfig, model: ModelConf
     for pool in ("prefill", "decode"):
         ranks = deploy.tensor_parallel(pool, engine.tensor_parallel_size)
         heads = -(-model.num_kv_heads // ranks)  # a rank's share, rounded up
-        per_block = 2 * model.num_layers * engine.block_size * heads * model.head_dim
-        per_block *= DTYPE_BYTES[engine.dtype]
+        layout = KVLayout(model.num_layers, heads, model.head_dim, engine.dtype)
+        per_block = layout.bytes_for(engine.block_size)
         if engine.kv_cache_memory_bytes < per_block:
             raise ConfigError(
                 f"--kv-cache-memory of {engine.kv_cache_memory_bytes} bytes holds no KV block: "
@@ -457,10 +457,7 @@ class WorkerSpawner:
             if wanted > free + 1e-9:
                 return f"{count} more workers need {wanted:g} GPUs and {free:g} are free"
             return None
-        needed = sum(
-            n * worker_bytes(replace(self.engine, tensor_parallel_size=self.tensor_parallel(pool)))
-            for pool, n in more.items()
-        )
+        needed = self._workers_bytes(more)
         available = _available_memory()
         if available is not None and needed > available:
             return (
@@ -499,11 +496,7 @@ class WorkerSpawner:
         counts = {"prefill": self.deploy.num_prefill, "decode": self.deploy.num_decode}
         if self.deploy.mode == "colocated":
             counts = {"colocated": self.total}
-        needed = sum(
-            count
-            * worker_bytes(replace(self.engine, tensor_parallel_size=self.tensor_parallel(pool)))
-            for pool, count in counts.items()
-        )
+        needed = self._workers_bytes(counts)
         available = _available_memory()
         if available is not None and needed > available:
             raise ConfigError(
@@ -511,6 +504,13 @@ class WorkerSpawner:
                 f"runtime) but this machine has {available / 2**30:.1f} GiB available: lower "
                 "--prefill-workers / --decode-workers or --kv-cache-memory"
             )
+
+    def _workers_bytes(self, counts: dict[str, int]) -> int:
+        """Memory `counts` workers per pool take on this machine (`worker_bytes` each)."""
+        return sum(
+            n * worker_bytes(replace(self.engine, tensor_parallel_size=self.tensor_parallel(pool)))
+            for pool, n in counts.items()
+        )
 
     def kv_transport(self) -> str:
         """The deployment's transport; `auto` is gloo where workers share GPUs (NCCL refuses two

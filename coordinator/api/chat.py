@@ -120,9 +120,14 @@ def _call_out(call: ParsedCall) -> ToolCallOut:
 
 
 def _tool_call_choice(
-    index: int, calls: list[ParsedCall], first: int, out: RequestOutput
+    index: int,
+    calls: list[ParsedCall],
+    first: int,
+    out: RequestOutput,
+    finish_reason: str = "tool_calls",
 ) -> ChatChunkChoice:
-    """A chunk choice carrying complete calls; `first`: the first one's place in the reply."""
+    """A chunk choice carrying complete calls; `first`: the first one's place in the reply;
+    `finish_reason`: the choice's, if these are its last."""
     delta = ToolCallsDelta(
         tool_calls=[
             DeltaToolCall(
@@ -136,7 +141,7 @@ def _tool_call_choice(
     return ChatChunkChoice(
         index=index,
         delta=delta,
-        finish_reason="tool_calls" if out.finished else None,
+        finish_reason=finish_reason if out.finished else None,
         stop_reason=out.stop_reason if out.finished else None,
     )
 
@@ -170,8 +175,8 @@ async def _chunks(
         latest[index] = out
         if forced:  # the call goes whole, once its arguments are complete
             if out.finished:
-                choice = _tool_call_choice(index, [_forced_call(body, out)], 0, out)
-                yield chunk([choice.model_copy(update={"finish_reason": out.finish_reason})])
+                calls = [_forced_call(body, out)]
+                yield chunk([_tool_call_choice(index, calls, 0, out, out.finish_reason)])
             continue
         text, calls = out.delta_text, []
         parser = parsers.get(index)

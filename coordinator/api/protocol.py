@@ -185,7 +185,7 @@ class SamplingRequest(_Strict):
             return None
         if response_format.type == "json_object":
             return ("json_object", "")
-        schema = response_format.json_schema.schema_ if response_format.json_schema else {}
+        schema = response_format.json_schema.schema_  # (given: the format's validator)
         return ("json_schema", json.dumps(schema)) if schema else ("json_object", "")
 
     @property
