@@ -57,11 +57,13 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
 
 
 def parse_top_k(text: str) -> int | None:
-    """'40' -> 40; '0' and '-1' -> None (off). Other values are SamplingParams' to judge."""
+    """'40' -> 40; '0' and '-1' -> None (off)."""
     try:
         value = int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"invalid int value: {text!r}") from None
+    if value < 1 and value not in TOP_K_OFF:
+        raise argparse.ArgumentTypeError(f"{value} is not a top-k: give 1 or more, or 0 for off")
     return None if value in TOP_K_OFF else value
 
 

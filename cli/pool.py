@@ -36,7 +36,8 @@ class AdminClient:
     ) -> None:
         if not base_url.startswith(("http://", "https://")):
             raise CliError(f"--base-url must start with http:// or https://, not {base_url!r}")
-        self.base_url = base_url.rstrip("/")
+        # The server's root: an OpenAI SDK's base URL ends in /v1, which no admin route has.
+        self.base_url = base_url.rstrip("/").removesuffix("/v1")
         self.api_key = api_key
         self.timeout = timeout
 

@@ -42,6 +42,10 @@ class TargetConfig:
             )
         if not self.endpoint.startswith("/"):
             raise BenchError(f"--endpoint must start with '/', got {self.endpoint!r}")
+        base = self.base_url.rstrip("/")
+        if base.endswith("/v1") and self.endpoint.startswith("/v1/"):
+            base = base.removesuffix("/v1")  # an OpenAI SDK's base URL: the endpoint has /v1
+        object.__setattr__(self, "base_url", base)
         _require(self.request_timeout_s > 0, "--request-timeout must be > 0")
         if self.backend is not None and (self.backend is Backend.OPENAI_CHAT) != self.is_chat:
             raise BenchError(_backend_mismatch(self.backend, self.endpoint))

@@ -139,3 +139,11 @@ def test_transformers_does_not_mistake_our_kernels_package() -> None:
     from transformers.utils import import_utils
 
     assert not import_utils.is_kernels_available()
+
+
+@pytest.mark.parametrize("text", ["-5", "-2"])
+def test_a_negative_top_k_other_than_minus_one_is_refused_in_cli_words(text, capsys) -> None:
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["generate", "--prompt", "hi", "--top-k", text])
+    err = capsys.readouterr().err
+    assert f"{text} is not a top-k: give 1 or more, or 0 for off" in err and "None" not in err

@@ -60,6 +60,11 @@ def test_list_json_is_the_servers_view(server_url, capsys, monkeypatch) -> None:
     assert view["restarts"] == {"prefill": 0, "decode": 0}
 
 
+def test_an_openai_sdk_base_url_reaches_the_admin_routes(server_url, capsys) -> None:
+    assert pool(server_url + "/v1/", "list", "--json") == 0  # not /v1/admin/pools
+    assert len(json.loads(capsys.readouterr().out)["workers"]) == 2
+
+
 def test_scale_and_drain_wait_until_done(server_url, capsys) -> None:
     assert pool(server_url, "scale", "--decode", "2", "--wait", "5") == 0
     assert serving(server_url, "decode") == ["decode-0", "decode-new0"]

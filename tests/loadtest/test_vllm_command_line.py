@@ -15,7 +15,7 @@ import pytest
 from cli import main as cli
 from loadtest.config import ResultFile, TargetConfig
 from loadtest.results import default_result_filename, result_path
-from loadtest.target import request_headers
+from loadtest.target import build_target, request_headers
 
 MODEL = "fake-model"  # the fake server's
 VLLM_COMMAND = (
@@ -156,6 +156,20 @@ def test_header_overrides_api_key() -> None:
     headers = (("Authorization", "x"), ("a", "b"))
     config = TargetConfig("http://h", "/v1/completions", None, "key", 1.0, headers=headers)
     assert request_headers(config) == {"Authorization": "x", "a": "b"}
+
+
+@pytest.mark.parametrize(
+    "base_url,endpoint,url",
+    [
+        ("http://h:8000/v1", "/v1/completions", "http://h:8000/v1/completions"),
+        ("http://h:8000/v1/", "/v1/chat/completions", "http://h:8000/v1/chat/completions"),
+        ("http://h:8000/", "/v1/completions", "http://h:8000/v1/completions"),
+        ("http://h:8000/v1", "/generate", "http://h:8000/v1/generate"),  # no /v1 to join
+    ],
+)
+def test_an_openai_sdk_base_url_does_not_double_v1(base_url, endpoint, url) -> None:
+    config = TargetConfig(base_url, endpoint, "m", None, 1.0)
+    assert build_target(config, "m").url == url
 
 
 @pytest.fixture
