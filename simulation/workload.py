@@ -7,7 +7,8 @@ Three sources, all ending in a list of `SimRequest`:
   datasets draw them, prefixes shared as they share them, token ids made up;
 - a trace file: one JSON object per line with `arrival` (seconds), `prompt_len`, `output_len`,
   and optionally `prefix_id` and `prefix_len` (requests with the same prefix id share that many
-  leading tokens).
+  leading tokens; a prefix is as long on every row that names it, and no longer than its
+  prompt).
 
 Made-up prompts are `TokenIds`: a few integers that stand for the whole list, so an hour of
 8,000-token prompts fits in memory. They support what the scheduler, block manager and router
@@ -194,7 +195,7 @@ def _prompt(ids: IdSpace, prefix_base: int, prefix_len: int, length: int) -> Tok
 def load_trace(path: Path) -> list[SimRequest]:
     """A JSON-lines trace (see the module docstring), sorted by arrival."""
     ids = IdSpace()
-    prefixes: dict[object, tuple[int, int]] = {}
+    prefixes: dict[object, tuple[int, int, int]] = {}
     requests: list[SimRequest] = []
     try:
         lines = path.read_text(encoding="utf-8").splitlines()
@@ -221,16 +222,33 @@ def load_trace(path: Path) -> list[SimRequest]:
                 f"{path}:{number}: arrivals up to {MAX_ARRIVAL_S:.0f} s and lengths up to "
                 f"{MAX_TRACE_TOKENS} tokens, please"
             )
-        if prefix_id is None or prefix_len <= 0:
+        problem = _prefix_problem(prefix_id, prefix_len, n_in, prefixes)
+        if problem is not None:
+            raise SimulationError(f"{path}:{number}: {problem}")
+        if prefix_id is None:
             prompt = _prompt(ids, 0, 0, n_in)
         else:
-            base, known_len = prefixes.setdefault(prefix_id, (ids.take(prefix_len), prefix_len))
-            shared = min(known_len, prefix_len, n_in)
-            prompt = _prompt(ids, base, shared, n_in)
+            base, _, _ = prefixes.setdefault(prefix_id, (ids.take(prefix_len), prefix_len, number))
+            prompt = _prompt(ids, base, prefix_len, n_in)
         requests.append(SimRequest(arrival, prompt, n_out))
     if not requests:
         raise SimulationError(f"trace {path} has no requests")
     return sorted(requests, key=lambda r: r.arrival)
+
+
+def _prefix_problem(
+    prefix_id: object, prefix_len: int, n_in: int, prefixes: dict[object, tuple[int, int, int]]
+) -> str | None:
+    """What is inconsistent in a trace row's prefix, or None. `prefixes`: each prefix id seen
+    so far -> (its first token id, its length, the line that named it first)."""
+    if prefix_id is None:
+        return "prefix_len without a prefix_id" if prefix_len else None
+    if not 0 < prefix_len <= n_in:
+        return f"prefix_len must be 1 to prompt_len ({n_in}), not {prefix_len}"
+    _, known_len, line = prefixes.get(prefix_id, (0, prefix_len, 0))
+    if known_len != prefix_len:
+        return f"prefix {prefix_id!r} is {prefix_len} tokens here but {known_len} on line {line}"
+    return None
 
 
 def rate_profile(

@@ -38,12 +38,26 @@ def test_rows_become_requests_by_arrival_with_shared_prefixes(tmp_path) -> None:
         {"arrival": 1e300, "prompt_len": 10, "output_len": 1},  # (the poll ticked to it forever)
         {"arrival": -1, "prompt_len": 10, "output_len": 1},
         "not json",
+        # Prefixes that do not add up (they were clamped without a word once).
+        {"arrival": 0, "prompt_len": 10, "output_len": 1, "prefix_id": "a", "prefix_len": 12},
+        {"arrival": 0, "prompt_len": 10, "output_len": 1, "prefix_id": "a"},  # no prefix_len
+        {"arrival": 0, "prompt_len": 10, "output_len": 1, "prefix_len": 4},  # no prefix_id
+        {"arrival": 0, "prompt_len": 10, "output_len": 1, "prefix_id": "p", "prefix_len": 6},
     ],
 )
 def test_a_bad_row_names_its_line(tmp_path, row) -> None:
-    good = {"arrival": 0, "prompt_len": 10, "output_len": 1}
+    good = {"arrival": 0, "prompt_len": 10, "output_len": 1, "prefix_id": "p", "prefix_len": 4}
     with pytest.raises(SimulationError, match=r"trace.jsonl:2: "):
         load_trace(write(tmp_path, [good, row]))
+
+
+def test_a_prefix_of_another_length_than_before_names_both_lines(tmp_path) -> None:
+    rows = [
+        {"arrival": 0, "prompt_len": 10, "output_len": 1, "prefix_id": "sys", "prefix_len": 4},
+        {"arrival": 1, "prompt_len": 10, "output_len": 1, "prefix_id": "sys", "prefix_len": 6},
+    ]
+    with pytest.raises(SimulationError, match="prefix 'sys' is 6 tokens here but 4 on line 1"):
+        load_trace(write(tmp_path, rows))
 
 
 def test_an_unreadable_trace_is_one_error(tmp_path) -> None:
