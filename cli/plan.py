@@ -58,7 +58,7 @@ def run(args: argparse.Namespace) -> int:
 
     if args.gpus < 1 or args.tp < 1:
         raise CliError("--gpus and --tp must be at least 1")
-    if args.gpus > MAX_GPUS:  # the search lists every split of them first
+    if args.gpus > MAX_GPUS:
         raise CliError(f"--gpus takes at most {MAX_GPUS}")
     if args.jobs < 0:
         raise CliError("--jobs must be 0 (one per CPU) or more")
@@ -86,6 +86,9 @@ def run(args: argparse.Namespace) -> int:
     except (SimulationError, SloError) as err:
         raise CliError(str(err)) from None
     print()
+    layouts = args.gpus // args.tp  # all colocated, and 1..W-1 prefill workers
+    if len(plan.candidates) < layouts:
+        print(f"simulated {len(plan.candidates)} of the {layouts} layouts, narrowing on the best")
     if plan.best is None:
         closest = plan.candidates[0]
         print(f"infeasible: no split of {args.gpus} GPUs meets {args.slo}; closest: ")

@@ -2,7 +2,13 @@
 with the best goodput that meets the SLO.
 
 Layouts tried for G GPUs and T GPUs per worker (W = G // T workers): W colocated workers, and
-every P prefill + D decode with P + D = W. Each is simulated on the same workload; a layout is
+P prefill + D decode with P + D = W: every P up to GRID of them; past that, GRID + 1 values of P
+spread evenly over 1..W-1, then as many again between the best one's neighbours, and so on until
+the bracket holds no more than GRID (each round shrinks it ~GRID/2-fold: 1,000 workers take
+three rounds, ~50 simulations instead of 999). That finds the best P when goodput rises to one
+peak and falls, as it does with P (too few prefill workers: TTFT; too few decode: ITL); a
+workload with two separate peaks could hide the narrower one between two grid points. Each is
+simulated on the same workload; a layout is
 feasible when every percentile objective holds (e.g. TTFT p99 <= 2 s), and its goodput is the
 requests per second that met the per-request objectives (TTFT, and TPOT against the ITL limit,
 as `tandem bench --goodput` counts them). The pick: the feasible layout of highest goodput; if
@@ -57,16 +63,30 @@ class Plan(NamedTuple):
     best: Candidate | None  # None: no layout meets the objectives
 
 
-def layouts(base: Deployment, gpus: int) -> list[Deployment]:
+GRID = 16  # disaggregated layouts simulated in one round of the search
+
+
+def num_workers(base: Deployment, gpus: int) -> int:
     workers = gpus // base.gpus_per_worker
     if workers < 1:
         raise SimulationError(f"{gpus} GPUs hold no worker of {base.gpus_per_worker} GPUs")
-    options = [dataclasses.replace(base, prefill_workers=0, decode_workers=workers)]
-    options += [
-        dataclasses.replace(base, prefill_workers=p, decode_workers=workers - p)
-        for p in range(1, workers)
-    ]
-    return options
+    return workers
+
+
+def layout(base: Deployment, workers: int, prefill: int) -> Deployment:
+    """`workers` of them, `prefill` in the prefill pool (0: every one colocated)."""
+    return dataclasses.replace(base, prefill_workers=prefill, decode_workers=workers - prefill)
+
+
+def grid(lo: int, hi: int, points: int = GRID + 1) -> list[int]:
+    """Up to `points` integers spread evenly over lo..hi, both ends included."""
+    if hi - lo + 1 <= points:
+        return list(range(lo, hi + 1))
+    return sorted({lo + round(i * (hi - lo) / (points - 1)) for i in range(points)})
+
+
+def _rank(candidate: Candidate) -> tuple[bool, float]:
+    return (candidate.feasible, candidate.goodput_per_gpu)
 
 
 def search(
@@ -78,17 +98,31 @@ def search(
     on_candidate: Callable[[Candidate], None] | None = None,
     jobs: int = 1,
 ) -> Plan:
-    """Every layout of `gpus` simulated (`jobs` at a time, each in its own process when more
-    than one); `on_candidate` sees each result in layout order as it is known."""
-    trials = [
-        dataclasses.replace(scenario, deployment=d) for d in layouts(scenario.deployment, gpus)
-    ]
-    candidates = []
-    for candidate in _evaluate_all(trials, requests, load, objectives, jobs):
-        candidates.append(candidate)
-        if on_candidate is not None:
-            on_candidate(candidate)
-    candidates.sort(key=lambda c: (c.feasible, c.goodput_per_gpu), reverse=True)
+    """The layouts of `gpus` the search needs simulated (`jobs` at a time, each in its own
+    process when more than one); `on_candidate` sees each result as it is known, in layout
+    order within a round."""
+    base = scenario.deployment
+    workers = num_workers(base, gpus)
+    known: dict[int, Candidate] = {}  # prefill workers -> the layout's result
+
+    def simulate(prefills: list[int]) -> None:
+        new = [p for p in prefills if p not in known]
+        trials = [dataclasses.replace(scenario, deployment=layout(base, workers, p)) for p in new]
+        for p, candidate in zip(
+            new, _evaluate_all(trials, requests, load, objectives, jobs), strict=True
+        ):
+            known[p] = candidate
+            if on_candidate is not None:
+                on_candidate(candidate)
+
+    lo, hi = 1, workers - 1
+    simulate([0, *grid(lo, hi)])
+    while hi - lo + 1 > GRID + 1:  # narrow the bracket around the best point of the grid
+        points = grid(lo, hi)
+        at = max(range(len(points)), key=lambda i: _rank(known[points[i]]))
+        lo, hi = points[max(0, at - 1)], points[min(len(points) - 1, at + 1)]
+        simulate(grid(lo, hi))
+    candidates = sorted(known.values(), key=_rank, reverse=True)
     best = candidates[0] if candidates and candidates[0].feasible else None
     return Plan(candidates, best)
 
