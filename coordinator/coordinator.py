@@ -44,7 +44,7 @@ from coordinator.update_server import UpdateServer
 from engine.outputs import RequestOutput, read_stream
 from engine.tokenizer import Tokenizer
 from planning.window import LoadWindow
-from protocol.errors import EngineDeadError, PoolError, RequestFailedError
+from protocol.errors import EngineDeadError, PoolError, RequestError, RequestFailedError
 from protocol.limits import ModelLimits
 from protocol.messages import PrefillResult, RequestFailed, WorkerUpdate, WorkRequest
 from protocol.sampling import SamplingParams
@@ -379,6 +379,7 @@ class Coordinator:
         route = request.route
         if ticket is not None:
             prefill_id = route.prefill_id
+            request.awaits_prompt = request.params.prompt_logprobs is not None
             try:
                 result: PrefillResult | None = await self._unless_lost(
                     request,
@@ -393,6 +394,9 @@ class Coordinator:
             except RequestFailedError as err:  # this request broke the worker's step: no retry
                 request.fail(RequestFailedError(_brief(err)))
                 return
+            except RequestError as err:  # the request is at fault (its response format)
+                request.fail(RequestError(_brief(err)))
+                return
             except Exception as err:
                 self._note_failure(prefill_id, err)
                 request.broken_channel = (route.decode_id, ticket.channel_key)
@@ -405,6 +409,8 @@ class Coordinator:
             request.route = Route(route.decode_id, None)
             if request.queue_seconds is None:  # the decode worker's updates carry none
                 request.queue_seconds = result.queue_seconds
+            if request.accept_prompt(result.prompt_logprobs):  # (held updates, if any)
+                self._stop_on(route.decode_id, work.request_id)
             if result.token_id not in request.params.stop_ids(self.eos_ids) and (
                 request.accept_first(len(work.output_ids), result.token_id, result.logprobs)
             ):  # a stop string in the first token: the decode worker must stop it too
@@ -576,7 +582,7 @@ class Coordinator:
             if update.retry:
                 request.lose(update.reason)
             else:
-                request.fail(RequestFailedError(update.reason))
+                request.fail(update.error())
             return
         if request.accept(update):  # a stop string ended it: stop the worker too
             self._stop_on(decode_id, update.request_id)

@@ -15,7 +15,7 @@ from engine.output_processor import RequestState
 from engine.outputs import RequestOutput, StreamFailed
 from engine.tokenizer import Tokenizer
 from protocol.messages import TokenUpdate, WorkRequest
-from protocol.sampling import FinishReason, SamplingParams, TokenLogprobs
+from protocol.sampling import FinishReason, PromptLogprob, SamplingParams, TokenLogprobs
 
 
 class TrackedRequest:
@@ -48,6 +48,11 @@ class TrackedRequest:
         self.broken_channel: tuple[str, str] | None = None
         self.num_cached_tokens = 0
         self.queue_seconds: float | None = None
+        self.prompt_logprobs: list[PromptLogprob | None] | None = None
+        # While its prefill worker scores its prompt (SamplingParams.prompt_logprobs), the decode
+        # worker's updates wait here: the first output must carry the prompt's logprobs.
+        self.awaits_prompt = False
+        self._early: list[TokenUpdate] = []
         # Tokens reach the stream `stream_interval` at a time (the first and the last at once);
         # these arrived since the last output.
         self.stream_interval = stream_interval
@@ -69,6 +74,7 @@ class TrackedRequest:
         self.ended = asyncio.Event()
         self.lost_reason = None
         self.first_token_at = None
+        self.awaits_prompt, self._early = False, []
         return WorkRequest(
             self.worker_request_id, self.prompt_ids, self.params, list(self.output_ids)
         )
@@ -85,6 +91,9 @@ class TrackedRequest:
     def accept(self, update: TokenUpdate) -> bool:
         """Folds a worker's update in; True if a stop string ended the request (the caller
         then aborts it on its worker)."""
+        if self.awaits_prompt and self.prompt_logprobs is None:
+            self._early.append(update)
+            return False
         skip = len(self.output_ids) - update.first_index
         if skip < 0:  # a gap: cannot happen with in-order workers; treat as a lost worker
             self.lose(f"token {len(self.output_ids)} never arrived")
@@ -95,6 +104,7 @@ class TrackedRequest:
         if update.queue_seconds is not None and self.queue_seconds is None:
             self.queue_seconds = update.queue_seconds
         self.num_cached_tokens = max(self.num_cached_tokens, update.num_cached_tokens)
+        self.prompt_logprobs = self.prompt_logprobs or update.prompt_logprobs
         return self._emit(new_ids, new_logprobs, update.finish_reason, update.stop_token_id)
 
     def accept_first(self, index: int, token_id: int, logprobs: TokenLogprobs | None) -> bool:
@@ -103,6 +113,16 @@ class TrackedRequest:
         if index == len(self.output_ids) and not self.finished:
             return self._emit([token_id], [logprobs], None, None)
         return False
+
+    def accept_prompt(self, prompt_logprobs: list[PromptLogprob | None] | None) -> bool:
+        """The prefill worker's scores of the prompt (None: none asked for); the decode
+        worker's updates held for them follow. True as `accept` says."""
+        self.prompt_logprobs = self.prompt_logprobs or prompt_logprobs
+        self.awaits_prompt, early, self._early = False, self._early, []
+        hit = False
+        for update in early:
+            hit = self.accept(update) or hit
+        return hit
 
     def _emit(
         self,
@@ -132,6 +152,7 @@ class TrackedRequest:
             num_prompt_tokens=len(self.prompt_ids),
             num_cached_tokens=self.num_cached_tokens,
             queue_seconds=self.queue_seconds,
+            prompt_logprobs=self.prompt_logprobs,
         )
         output, stop_string_hit = self.frontend.apply(update)
         if self.first_token_at is None:

@@ -23,7 +23,7 @@ from engine.engine_thread import EngineThread
 from engine.output_processor import RequestState
 from engine.outputs import RequestOutput, StreamFailed, read_stream
 from engine.tokenizer import Tokenizer
-from protocol.errors import EngineDeadError, RequestError, RequestFailedError
+from protocol.errors import EngineDeadError, RequestError
 from protocol.messages import RequestFailed, WorkerUpdate
 from protocol.sampling import SamplingError, SamplingParams
 from protocol.stats import EngineHealth
@@ -135,7 +135,7 @@ class AsyncEngine:
                 continue
             state, stream = entry
             if isinstance(update, RequestFailed):  # the engine already dropped it
-                stream.put_nowait(StreamFailed(RequestFailedError(update.reason)))
+                stream.put_nowait(StreamFailed(update.error()))
                 continue
             output, stop_string_hit = state.apply(update)
             if stop_string_hit:

@@ -6,6 +6,7 @@ thread reaches it by submitting calls to that thread.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import time
@@ -20,7 +21,7 @@ from engine.config import ConfigError, EngineConfig, ModelConfig
 from engine.kv_cache import num_blocks_for_budget
 from engine.parallel import shard_for
 from engine.runner import ModelRunner
-from engine.sampler import SampleRow, sample, uniform
+from engine.sampler import SampleRow, prompt_logprobs, sample, uniform
 from engine.scheduler import Scheduler, SchedulerConfig, StepPlan, fits_with_headroom
 from engine.sequence import Sequence
 from engine.stop import blocked_tokens, check_stop
@@ -112,6 +113,8 @@ class LLMEngine:
         """Queues a request for prefill here. `output_ids` resumes a request that already
         generated those tokens elsewhere: they count as output (penalties, max_tokens, seeds).
         `age_s`: how long ago the request arrived (it waited elsewhere before it came here)."""
+        if output_ids and params.prompt_logprobs is not None:  # they went with its first token
+            params = dataclasses.replace(params, prompt_logprobs=None)
         seq = self._new_sequence(request_id, prompt_ids, params, output_ids)
         seq.arrival_time -= age_s
         self.scheduler.add(seq)
@@ -145,6 +148,8 @@ class LLMEngine:
         """Holds blocks for a request whose KV another worker computes; None when they do not
         fit now with `decode_headroom_tokens` of growth left for every request here. Prefix-cache
         hits are taken here and need not be sent."""
+        if params.prompt_logprobs is not None:  # the worker computing the KV scores the prompt
+            params = dataclasses.replace(params, prompt_logprobs=None)
         seq = self._new_sequence(request_id, prompt_ids, params, output_ids)
         del self.sequences[request_id]
         hits = self.blocks.match_prefix(seq.token_ids, seq.block_hashes)
@@ -278,7 +283,11 @@ class LLMEngine:
         sampling = [chunk.seq for chunk in plan.chunks if chunk.samples]
         extra = on_plan(plan) if on_plan is not None else None
         hook = functools.partial(on_layer, plan) if on_layer is not None else None
-        logits = self.runner.execute(plan, hook, extra)
+        logits, prompts = self.runner.execute(plan, hook, extra)
+        for seq, first, scores in prompts:
+            targets = seq.token_ids[first + 1 : first + 1 + len(scores)]
+            seq.prompt_logprobs = seq.prompt_logprobs or [None]
+            seq.prompt_logprobs += prompt_logprobs(scores, targets, seq.params.prompt_logprobs)
         self.scheduler.commit(plan)
         rows, kept, failed = [], [], []
         for i, seq in enumerate(sampling):
@@ -342,6 +351,8 @@ class LLMEngine:
         else:
             log.exception("sampling failed for request %s", seq.request_id)
         self.abort(seq.request_id)
+        if isinstance(err, RequestError):
+            return RequestFailed(seq.request_id, str(err), retry=False, invalid=True)
         reason = f"sampling failed: {type(err).__name__}: {err}"
         return RequestFailed(seq.request_id, reason, retry=False)
 
@@ -386,6 +397,7 @@ class LLMEngine:
                     num_prompt_tokens=seq.num_prompt_tokens,
                     num_cached_tokens=seq.num_cached_prompt_tokens,
                     queue_seconds=seq.queue_seconds,
+                    prompt_logprobs=seq.prompt_logprobs if seq.num_output_tokens == 1 else None,
                 )
             )
         return updates

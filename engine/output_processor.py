@@ -5,7 +5,7 @@ from __future__ import annotations
 from engine.outputs import RequestOutput
 from engine.tokenizer import IncrementalDetokenizer, Tokenizer
 from protocol.messages import TokenUpdate
-from protocol.sampling import FinishReason, SamplingParams
+from protocol.sampling import FinishReason, PromptLogprob, SamplingParams
 
 
 class RequestState:
@@ -25,6 +25,7 @@ class RequestState:
         self.holdback = max((len(s) for s in params.stop), default=1) - 1
         self.token_ids: list[int] = []
         self.logprobs = [] if params.logprobs is not None else None
+        self.prompt_logprobs: list[PromptLogprob | None] | None = None
         self.text = ""
         self.num_sent_chars = 0
         self.finish_reason: str | None = None
@@ -38,6 +39,8 @@ class RequestState:
         """The request's output after `update`, and whether a stop string just ended it (the
         caller then aborts the request in the engine)."""
         tokens = update.token_ids
+        if self.prompt_logprobs is None:
+            self.prompt_logprobs = update.prompt_logprobs
         self.token_ids.extend(tokens)
         if self.logprobs is not None:
             self.logprobs.extend(update.logprobs)
@@ -83,4 +86,5 @@ class RequestState:
             stop_reason=self.stop_reason,
             num_cached_tokens=update.num_cached_tokens,
             queue_seconds=update.queue_seconds,
+            prompt_logprobs=self.prompt_logprobs,
         )

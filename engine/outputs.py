@@ -7,7 +7,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field, replace
 from typing import NamedTuple
 
-from protocol.sampling import TokenLogprobs
+from protocol.sampling import PromptLogprob, TokenLogprobs
 
 
 @dataclass
@@ -25,6 +25,9 @@ class RequestOutput:
     stop_reason: int | str | None = None  # stop token id or stop string that ended it
     num_cached_tokens: int = 0
     queue_seconds: float | None = None  # arrival until the request first got KV blocks
+    # SamplingParams.prompt_logprobs: one per prompt token (None for the first), from the
+    # output with the first token on
+    prompt_logprobs: list[PromptLogprob | None] | None = None
 
     @property
     def finished(self) -> bool:

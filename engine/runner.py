@@ -6,6 +6,8 @@ Under tensor parallelism rank 0's runner also sends each step's batch to the fol
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 from torch.distributed import ProcessGroup
 
@@ -18,6 +20,7 @@ from engine.model import CausalLM, LayerHook
 from engine.packed_linear import can_pack, pack_linears
 from engine.parallel import Collectives, TPShard, shard_for
 from engine.scheduler import ScheduledChunk, StepPlan
+from engine.sequence import Sequence
 from engine.tensor_parallel import BatchSpec, FollowerSpec, Launcher, RankGroup, spawn_followers
 from engine.weights import load_weights
 from kernels import cpu_extension
@@ -103,18 +106,22 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(
         self, plan: StepPlan, on_layer: LayerHook | None = None, extra: object = None
-    ) -> torch.Tensor:
+    ) -> StepLogits:
         """Runs every chunk; returns the logits of the chunks with `samples` set, in plan
-        order: [S, vocab]. `on_layer(i)` runs once layer i's KV for the whole plan is in
-        `kv_caches`; `extra` goes to the follower ranks' hooks with the batch."""
+        order: [S, vocab], and those of the prompt positions whose next token's logprob is
+        asked for (Sequence.prompt_positions). `on_layer(i)` runs once layer i's KV for the
+        whole plan is in `kv_caches`; `extra` goes to the follower ranks' hooks with the
+        batch."""
         chunks = order_for_batch(plan.chunks)
         spec = self.build_spec(chunks)
         if self.ranks is not None:
             self.ranks.send(spec, extra)
+        sampling = [chunk for chunk in chunks if chunk.samples]
         graphs = self.graphs
         if (
             graphs is not None
             and on_layer is None
+            and len(spec.logits_rows) == len(sampling)  # no prompt scored (captured: one row each)
             and graphs.fits(len(spec.input_ids), spec.decode_tables, bool(spec.prefills))
         ):
             logits = graphs.run(
@@ -122,12 +129,13 @@ class ModelRunner:
             )
         else:
             logits = self.model(self.to_batch(spec), self.kv_caches, on_layer)  # `chunks` order
-        sampling = [chunk for chunk in chunks if chunk.samples]
+        prompts = _prompt_scores(chunks, logits, len(sampling))
+        logits = logits[: len(sampling)]
         position = {id(chunk.seq): i for i, chunk in enumerate(sampling)}
         in_plan_order = [position[id(chunk.seq)] for chunk in plan.chunks if chunk.samples]
-        if in_plan_order == list(range(len(in_plan_order))):
-            return logits  # already in plan order (every decode-only step): no copy
-        return logits[in_plan_order]
+        if in_plan_order != list(range(len(in_plan_order))):
+            logits = logits[in_plan_order]  # (every decode-only step is in order: no copy)
+        return StepLogits(logits, prompts)
 
     @torch.inference_mode()
     def run_spec(self, spec: BatchSpec, on_layer: LayerHook | None = None) -> None:
@@ -140,6 +148,7 @@ class ModelRunner:
         positions: list[int] = []
         slots: list[int] = []
         logits_rows: list[int] = []
+        scored: list[int] = []
         decode_tables: list[list[int]] = []
         prefills: list[tuple[int, int, list[int], int]] = []
         for chunk in chunks:
@@ -151,13 +160,22 @@ class ModelRunner:
             slots.extend(slots_of(table, chunk.start, chunk.end, bs))
             if chunk.samples:
                 logits_rows.append(row + chunk.num_tokens - 1)
+            if seq.params.prompt_logprobs is not None:  # (a decode step's rows skip the call)
+                scoring = seq.prompt_positions(chunk.start, chunk.end)
+                scored.extend(row + p - chunk.start for p in scoring)
             if chunk.num_tokens == 1:
                 decode_tables.append(table[: -(-chunk.end // bs)])
             else:
                 prefills.append((row, len(input_ids), table[: -(-chunk.end // bs)], chunk.end))
         decode_lens = [chunk.end for chunk in chunks[: len(decode_tables)]]
         return BatchSpec(
-            input_ids, positions, slots, logits_rows, decode_tables, decode_lens, prefills
+            input_ids,
+            positions,
+            slots,
+            logits_rows + scored,  # the sampled rows first, then the prompts' scored ones
+            decode_tables,
+            decode_lens,
+            prefills,
         )
 
     def to_batch(self, spec: BatchSpec) -> ForwardBatch:
@@ -177,6 +195,36 @@ class ModelRunner:
 
     def _tensor(self, values: list) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.int64, device=self.device)
+
+
+class PromptScores(NamedTuple):
+    """Logits of one sequence's prompt positions first..first + len(logits) - 1."""
+
+    seq: Sequence
+    first: int
+    logits: torch.Tensor  # [positions, vocab]
+
+
+class StepLogits(NamedTuple):
+    sampling: torch.Tensor  # [S, vocab], the sampling chunks in plan order
+    prompts: list[PromptScores]
+
+
+def _prompt_scores(
+    chunks: list[ScheduledChunk], logits: torch.Tensor, row: int
+) -> list[PromptScores]:
+    """The prompt positions' logits, which follow the `row` sampled ones (build_spec)."""
+    scores: list[PromptScores] = []
+    if len(logits) == row:  # nothing scored (every step but those of such prompts)
+        return scores
+    for chunk in chunks:
+        positions = chunk.seq.prompt_positions(chunk.start, chunk.end)
+        if positions:
+            scores.append(
+                PromptScores(chunk.seq, positions.start, logits[row : row + len(positions)])
+            )
+            row += len(positions)
+    return scores
 
 
 def order_for_batch(chunks: tuple[ScheduledChunk, ...]) -> list[ScheduledChunk]:

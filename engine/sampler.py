@@ -13,7 +13,7 @@ import torch
 
 from engine.structured import apply_allowed
 from kernels import ops
-from protocol.sampling import SamplingParams, TokenLogprobs
+from protocol.sampling import PromptLogprob, SamplingParams, TokenLogprobs
 
 
 class SampleRow(NamedTuple):
@@ -204,6 +204,33 @@ def _top_p_mask(probs: torch.Tensor, top_p: list[float]) -> torch.Tensor:
 def _rows(x: torch.Tensor, rows: list[int]) -> torch.Tensor:
     """x's rows `rows`, without a copy when that is all of them."""
     return x if len(rows) == x.shape[0] else x[rows]
+
+
+PROMPT_ROWS = 256  # prompt positions scored at once: [rows, vocab] float32 is the peak
+
+
+def prompt_logprobs(logits: torch.Tensor, targets: list[int], top_n: int) -> list[PromptLogprob]:
+    """Row i of `logits` [positions, vocab] scores prompt token `targets[i]`: its logprob
+    (from the raw logits, as the sampled tokens' are), rank and the `top_n` likeliest."""
+    out: list[PromptLogprob] = []
+    for start in range(0, len(targets), PROMPT_ROWS):
+        chunk = logits[start : start + PROMPT_ROWS].float().log_softmax(dim=-1)
+        wanted = torch.tensor(targets[start : start + PROMPT_ROWS], device=chunk.device)
+        chosen = chunk.gather(1, wanted[:, None])  # [rows, 1]
+        ranks = (chunk > chosen).sum(dim=1) + 1
+        if top_n:
+            values, ids = chunk.topk(top_n, dim=1)
+            tops = [
+                list(zip(i, v, strict=True))
+                for i, v in zip(ids.tolist(), values.tolist(), strict=True)
+            ]
+        else:
+            tops = [[] for _ in range(len(chosen))]
+        out.extend(
+            PromptLogprob(lp, rank, top)
+            for lp, rank, top in zip(chosen[:, 0].tolist(), ranks.tolist(), tops, strict=True)
+        )
+    return out
 
 
 def _logprobs(

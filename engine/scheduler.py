@@ -163,7 +163,11 @@ class Scheduler:
         bs = self.blocks.block_size
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self._next_waiting()
-            hits = self.blocks.match_prefix(seq.token_ids, seq.block_hashes)
+            hits = (
+                []
+                if seq.scores_prompt
+                else self.blocks.match_prefix(seq.token_ids, seq.block_hashes)
+            )
             if len(hits) * bs >= seq.num_tokens:  # always compute at least the last token
                 hits = hits[:-1]
             num_cached = len(hits) * bs

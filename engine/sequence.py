@@ -6,7 +6,7 @@ import enum
 import time
 from dataclasses import dataclass, field
 
-from protocol.sampling import FinishReason, SamplingParams
+from protocol.sampling import FinishReason, PromptLogprob, SamplingParams
 
 
 class SequenceStatus(enum.Enum):
@@ -37,6 +37,9 @@ class Sequence:
     num_preemptions: int = 0
     arrival_time: float = field(default_factory=time.monotonic)
     first_scheduled_time: float | None = None  # when its KV first got blocks
+    # With params.prompt_logprobs: prompt token i's logprobs given the tokens before it, as
+    # far as computed (entry 0, the first token, has none: None).
+    prompt_logprobs: list[PromptLogprob | None] | None = None
 
     @property
     def queue_seconds(self) -> float | None:
@@ -59,6 +62,22 @@ class Sequence:
     @property
     def num_uncomputed_tokens(self) -> int:
         return len(self.token_ids) - self.num_computed_tokens
+
+    @property
+    def scores_prompt(self) -> bool:
+        """Its prompt's logprobs are asked for and not all computed yet: its prompt must be
+        computed, not taken from the prefix cache."""
+        if self.params.prompt_logprobs is None:
+            return False
+        return self.prompt_logprobs is None or len(self.prompt_logprobs) < self.num_prompt_tokens
+
+    def prompt_positions(self, start: int, end: int) -> range:
+        """The positions of [start, end) whose logits score the prompt's next token and are
+        not scored yet (a recomputation after preemption scores nothing twice)."""
+        if not self.scores_prompt:
+            return range(0)
+        done = len(self.prompt_logprobs or [None]) - 1  # positions scored so far
+        return range(max(start, done), min(end, self.num_prompt_tokens - 1))
 
     @property
     def is_finished(self) -> bool:

@@ -15,6 +15,7 @@ message that says so.
 
 from __future__ import annotations
 
+import re
 from collections import OrderedDict
 from pathlib import Path
 from typing import Any
@@ -89,7 +90,9 @@ class Structures:
             else:
                 raise RequestError(f"unknown response format {kind!r}")
         except RuntimeError as err:  # xgrammar's word for a schema or pattern it cannot take
-            raise RequestError(f"the {kind.replace('_', ' ')} cannot be used: {err}") from None
+            raise RequestError(
+                f"the {kind.replace('_', ' ')} cannot be used: {_reason(err)}"
+            ) from None
         self._compiled[spec] = compiled
         while len(self._compiled) > COMPILED_KEPT:
             self._compiled.popitem(last=False)
@@ -109,6 +112,11 @@ class Structures:
         info = xgrammar.TokenizerInfo.from_huggingface(hf, vocab_size=self.vocab_size)
         self._compiler = xgrammar.GrammarCompiler(info, max_threads=1)
         return self._compiler
+
+
+def _reason(err: RuntimeError) -> str:
+    """xgrammar's message without its C++ prefix ("[18:59:19] /project/cpp/x.cc:83: ")."""
+    return re.sub(r"^\[[\d:]+\] \S+:\d+: ", "", str(err).strip())
 
 
 def apply_allowed(logits: torch.Tensor, bitmask: torch.Tensor) -> None:

@@ -37,10 +37,9 @@ from kvtransfer.lane import SendRecord
 from kvtransfer.legs import ChannelStep, StepChunk, announce, pack_layer, ready_event
 from kvtransfer.sender import KVSender
 from kvtransfer.transport import TransferError, Transport
-from protocol.errors import RequestFailedError
 from protocol.kv import Ticket
 from protocol.messages import PrefillResult, RequestFailed, WorkRequest
-from protocol.sampling import TokenLogprobs
+from protocol.sampling import PromptLogprob, TokenLogprobs
 from protocol.stats import TransferCounters, WorkerStats
 
 log = logging.getLogger(__name__)
@@ -71,6 +70,7 @@ class _Sampled(NamedTuple):
     num_cached_tokens: int  # prompt tokens found in this worker's prefix cache
     step_end: float  # monotonic time its step ended
     queue_seconds: float | None  # arrival until its KV blocks (its age on arrival included)
+    prompt_logprobs: list[PromptLogprob | None] | None
 
 
 class _Pending:
@@ -214,7 +214,7 @@ class PrefillWorker:
             if pending is None:
                 continue
             if isinstance(update, RequestFailed):
-                self._abort(update.request_id, RequestFailedError(update.reason))
+                self._abort(update.request_id, update.error())
                 continue
             token, logprobs = update.token_ids[0], update.logprobs[0]
             pending.sampled = _Sampled(
@@ -223,6 +223,7 @@ class PrefillWorker:
                 update.num_cached_tokens,
                 time.monotonic(),
                 update.queue_seconds,
+                update.prompt_logprobs,
             )
             self.sender.send_done(pending.legs[0], token, logprobs)  # route 0>0: the token
             for leg in pending.legs[1:]:
@@ -300,6 +301,7 @@ class PrefillWorker:
         result = PrefillResult(
             request_id, sampled.token_id, sampled.logprobs, sampled.num_cached_tokens,
             pending.bytes_sent, time.monotonic() - sampled.step_end, sampled.queue_seconds,
+            sampled.prompt_logprobs,
         )  # fmt: skip
         exposed = max(0.0, record.finished - sampled.step_end)
         self.transfers.exposed.observe(exposed)

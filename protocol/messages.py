@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from protocol.sampling import FinishReason, SamplingParams, TokenLogprobs
+from protocol.errors import RequestError, RequestFailedError
+from protocol.sampling import FinishReason, PromptLogprob, SamplingParams, TokenLogprobs
 
 
 class WorkRequest(NamedTuple):
@@ -38,6 +39,9 @@ class TokenUpdate(NamedTuple):
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
     queue_seconds: float | None = None  # arrival until the request first got KV blocks
+    # With the first output token, when SamplingParams.prompt_logprobs asked: one per prompt
+    # token (None for the first, which nothing comes before).
+    prompt_logprobs: list[PromptLogprob | None] | None = None
 
     @property
     def num_output_tokens(self) -> int:
@@ -48,12 +52,19 @@ class TokenUpdate(NamedTuple):
 class RequestFailed(NamedTuple):
     """A worker lost one request (its KV never arrived, or its own step failed on it). `retry`
     says whether another attempt can succeed; a request that broke the sampler cannot.
-    `corrupt`: its KV arrived but failed its checksum (nothing was decoded from it)."""
+    `corrupt`: its KV arrived but failed its checksum (nothing was decoded from it).
+    `invalid`: the request itself is at fault (a response format xgrammar cannot compile): the
+    client gets a 400, not a server error."""
 
     request_id: str
     reason: str
     retry: bool = True
     corrupt: bool = False
+    invalid: bool = False
+
+    def error(self) -> Exception:
+        """What the request fails with, for one that cannot be retried."""
+        return RequestError(self.reason) if self.invalid else RequestFailedError(self.reason)
 
 
 WorkerUpdate = TokenUpdate | RequestFailed
@@ -75,3 +86,4 @@ class PrefillResult(NamedTuple):
     # arrival at the coordinator until the prefill worker gave it KV blocks: its queue time (a
     # decode worker that receives the KV reports none)
     queue_seconds: float | None = None
+    prompt_logprobs: list[PromptLogprob | None] | None = None  # TokenUpdate.prompt_logprobs

@@ -28,6 +28,15 @@ class TokenLogprobs(NamedTuple):
     top: list[tuple[int, float]]  # the most likely tokens, best first
 
 
+class PromptLogprob(NamedTuple):
+    """A prompt token's logprob given the tokens before it, its rank there (1: the most
+    likely token), and the most likely tokens there, best first."""
+
+    logprob: float
+    rank: int
+    top: list[tuple[int, float]]
+
+
 GREEDY_TEMPERATURE = 1e-5
 MAX_STOP_STRINGS = 256
 STRUCTURE_KINDS = ("json_object", "json_schema", "regex")  # engine/structured.py
@@ -51,6 +60,9 @@ class SamplingParams:
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
     logprobs: int | None = None  # also return this many most likely alternatives per token
+    # The prompt's tokens' logprobs too (each given the tokens before it), with this many
+    # alternatives each; computing them needs every prompt position, so no prefix cache hit.
+    prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     # (token id, added to its logit before sampling), as OpenAI's logit_bias; sorted by id
     logit_bias: tuple[tuple[int, float], ...] = ()
@@ -83,6 +95,11 @@ class SamplingParams:
             len(self.stop) <= MAX_STOP_STRINGS, "stop", f"takes at most {MAX_STOP_STRINGS} strings"
         )
         _check(self.logprobs is None or 0 <= self.logprobs <= 20, "logprobs", "must be in [0, 20]")
+        _check(
+            self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= 20,
+            "prompt_logprobs",
+            "must be in [0, 20]",
+        )
         _check(self.seed is None or 0 <= self.seed < 2**64, "seed", "must be in [0, 2**64)")
         _check(
             all(-100 <= b <= 100 for _, b in self.logit_bias),  # (NaN fails too)

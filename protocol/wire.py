@@ -18,7 +18,7 @@ import struct
 import msgpack
 
 from protocol.messages import RequestFailed, TokenUpdate, WorkerUpdate
-from protocol.sampling import FinishReason, TokenLogprobs
+from protocol.sampling import FinishReason, PromptLogprob, TokenLogprobs
 
 HELLO = "tandem-updates/1"
 HEADER = struct.Struct(">I")
@@ -78,7 +78,7 @@ def _update(item: list) -> WorkerUpdate:
     if kind == _FAILED:
         return RequestFailed(*fields)
     request_id, first_index, token_ids, logprobs, finish, *rest = fields
-    return TokenUpdate(
+    update = TokenUpdate(
         request_id,
         first_index,
         token_ids,
@@ -86,10 +86,18 @@ def _update(item: list) -> WorkerUpdate:
         None if finish is None else FinishReason(finish),
         *rest,
     )
+    if update.prompt_logprobs is None:
+        return update
+    prompt = [None if lp is None else _prompt_logprob(*lp) for lp in update.prompt_logprobs]
+    return update._replace(prompt_logprobs=prompt)
 
 
 def _logprobs(logprob: float, top: list[list]) -> TokenLogprobs:
     return TokenLogprobs(logprob, [tuple(pair) for pair in top])
+
+
+def _prompt_logprob(logprob: float, rank: int, top: list[list]) -> PromptLogprob:
+    return PromptLogprob(logprob, rank, [tuple(pair) for pair in top])
 
 
 def _unpack(payload: bytes) -> object:

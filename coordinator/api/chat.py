@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import AsyncIterator
 
@@ -19,7 +20,7 @@ from coordinator.api.generation import (
     plan_job,
     stream_job,
 )
-from coordinator.api.logprobs import all_logprobs, chat_logprobs, new_logprobs
+from coordinator.api.logprobs import all_logprobs, chat_logprobs, new_logprobs, prompt_logprobs
 from coordinator.api.prompts import build_params, chat_prompt
 from coordinator.api.protocol import ChatCompletionRequest
 from coordinator.api.responses import (
@@ -71,12 +72,19 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
         return stream_job(ctx, job, lambda outputs: _chunks(ctx, job, body, outputs))
     finals = await complete_job(ctx, job, request)
     choices = [_choice(ctx, body, c.index, finals[c.index]) for c in job.choices]
+    scored = finals[job.choices[0].index]  # (every choice has the one prompt)
+    prompt = None
+    if body.prompt_logprobs is not None and scored.prompt_logprobs is not None:
+        prompt = prompt_logprobs(
+            ctx.token_texts, scored.prompt_token_ids, scored.prompt_logprobs, body.prompt_logprobs
+        )
     completion = ChatCompletion(
         id=job.request_id,
         created=job.created,
         model=job.model,
         choices=choices,
         usage=job_usage(job, finals),
+        prompt_logprobs=prompt,
     )
     return JSONResponse(completion.model_dump())
 
@@ -88,8 +96,8 @@ def _choice(
     content: str | None = out.text
     calls: list[ParsedCall] = []
     finish_reason = out.finish_reason
-    if body.forced_tool is not None:  # the whole reply is the call's arguments
-        content, calls = None, [_forced_call(body, out)]
+    if body.forces_calls:  # the whole reply is the calls
+        content, calls, finish_reason = _forced_calls(body, out)
     elif _parses_tools(ctx, body):
         content, calls = split_reply(out.text)
         finish_reason = "tool_calls" if calls else finish_reason
@@ -109,10 +117,29 @@ def _parses_tools(ctx: ServerContext, body: ChatCompletionRequest) -> bool:
     return body.effective_tool_choice == "auto" and ctx.settings.tool_call_parser is not None
 
 
-def _forced_call(body: ChatCompletionRequest, out: RequestOutput) -> ParsedCall:
-    """The call a named tool_choice forced: its arguments are the reply, held to the function's
-    parameters (OpenAI's finish_reason is then "stop", as the caller chose the call)."""
-    return ParsedCall(new_call_id(), body.forced_tool.function.name, out.text)
+def _forced_calls(
+    body: ChatCompletionRequest, out: RequestOutput
+) -> tuple[str | None, list[ParsedCall], str | None]:
+    """(content, calls, finish_reason) of a reply the request held to tool calls.
+
+    A named tool_choice: the reply is the call's arguments, held to the function's parameters
+    (OpenAI's finish_reason is then "stop": the caller chose the call). "required": the reply
+    is a JSON array of {"name", "parameters"} (ChatCompletionRequest._calls_schema), and the
+    finish_reason "tool_calls"; a reply cut short (max_tokens) is no array and stays text."""
+    tool = body.forced_tool
+    if tool is not None:
+        return None, [ParsedCall(new_call_id(), tool.function.name, out.text)], out.finish_reason
+    try:
+        items = json.loads(out.text)
+        calls = [
+            ParsedCall(
+                new_call_id(), item["name"], json.dumps(item["parameters"], ensure_ascii=False)
+            )
+            for item in items
+        ]
+    except (ValueError, TypeError, KeyError):
+        return out.text, [], out.finish_reason
+    return None, calls, "tool_calls"
 
 
 def _call_out(call: ParsedCall) -> ToolCallOut:
@@ -170,13 +197,22 @@ async def _chunks(
     # Each choice's tool-call parser, when the reply may hold calls: text goes on as it comes,
     # a call once its closing tag has come (coordinator/api/tool_calls.py).
     parsers = {c.index: HermesParser() for c in job.choices} if _parses_tools(ctx, body) else {}
-    forced = body.forced_tool is not None
+    forced = body.forces_calls
     async for index, out in outputs:
         latest[index] = out
-        if forced:  # the call goes whole, once its arguments are complete
+        if forced:  # the calls go whole, once the reply is complete
             if out.finished:
-                calls = [_forced_call(body, out)]
-                yield chunk([_tool_call_choice(index, calls, 0, out, out.finish_reason)])
+                content, calls, finish_reason = _forced_calls(body, out)
+                if content is not None:  # no calls after all (cut short): the text
+                    choice = ChatChunkChoice(
+                        index=index,
+                        delta=Delta(content=content),
+                        finish_reason=finish_reason,
+                        stop_reason=out.stop_reason,
+                    )
+                    yield chunk([choice])
+                else:
+                    yield chunk([_tool_call_choice(index, calls, 0, out, finish_reason)])
             continue
         text, calls = out.delta_text, []
         parser = parsers.get(index)

@@ -18,7 +18,13 @@ from coordinator.api.generation import (
     plan_job,
     stream_job,
 )
-from coordinator.api.logprobs import all_logprobs, completion_logprobs, new_logprobs
+from coordinator.api.logprobs import (
+    all_logprobs,
+    completion_logprobs,
+    echoed_logprobs,
+    new_logprobs,
+    prompt_logprobs,
+)
 from coordinator.api.prompts import build_params, completion_prompts
 from coordinator.api.protocol import CompletionRequest
 from coordinator.api.responses import Completion, CompletionChoice, CompletionLogprobs
@@ -73,13 +79,36 @@ def _choice(
     logprobs = None
     if body.logprobs is not None:
         logprobs = completion_logprobs(ctx.token_texts, *all_logprobs(out), offset=0)
+        if body.echoed_logprobs is not None and out.prompt_logprobs is not None:
+            logprobs = _with_prompt(ctx, body, out, logprobs, echo)
+    prompt = None
+    if body.prompt_logprobs is not None and out.prompt_logprobs is not None:
+        prompt = prompt_logprobs(
+            ctx.token_texts, out.prompt_token_ids, out.prompt_logprobs, body.prompt_logprobs
+        )
     return CompletionChoice(
         index=index,
         text=echo + out.text,
         logprobs=logprobs,
         finish_reason=out.finish_reason,
         stop_reason=out.stop_reason,
+        prompt_logprobs=prompt,
     )
+
+
+NO_LOGPROBS = CompletionLogprobs(tokens=[], token_logprobs=[], top_logprobs=[], text_offset=[])
+
+
+def _with_prompt(
+    ctx: ServerContext,
+    body: CompletionRequest,
+    out: RequestOutput,
+    completion: CompletionLogprobs,
+    echo: str,
+) -> CompletionLogprobs:
+    """echo with logprobs: the prompt's tokens' logprobs before the completion's."""
+    texts, prompt = ctx.token_texts, out.prompt_token_ids
+    return echoed_logprobs(texts, prompt, out.prompt_logprobs, body.logprobs, completion, len(echo))
 
 
 async def _chunks(
@@ -99,13 +128,24 @@ async def _chunks(
 
     offsets: dict[int, int] = {}  # text characters sent per choice, for logprobs' text_offset
     plain = TextFrames(text_chunk)  # chunks of text alone, framed fast
-    for c in job.choices:  # echo: each choice opens with its prompt's text
-        if echoes[c.prompt_index] and continuous:
-            yield text_chunk(c.index, echoes[c.prompt_index])
-        elif echoes[c.prompt_index]:
-            yield plain.frame(c.index, echoes[c.prompt_index])
+    # echo: each choice opens with its prompt's text; with logprobs, once the first output
+    # brings the prompt's
+    echo_of = {c.index: echoes[c.prompt_index] for c in job.choices}
+    scored_echo = body.echoed_logprobs is not None
+    for c in job.choices:
+        if echo_of[c.index] and not scored_echo:
+            yield (
+                text_chunk(c.index, echo_of[c.index])
+                if continuous
+                else plain.frame(c.index, echo_of[c.index])
+            )
     async for index, out in outputs:
         latest[index] = out
+        if scored_echo and index not in offsets and out.prompt_logprobs is not None:
+            echo = echo_of[index]
+            opening = _with_prompt(ctx, body, out, NO_LOGPROBS, echo)
+            yield chunk(CompletionChoice(index=index, text=echo, logprobs=opening))
+            offsets[index] = len(echo)
         logprobs: CompletionLogprobs | None = None
         if body.logprobs is not None and out.delta_token_ids:
             offset = offsets.get(index, 0)

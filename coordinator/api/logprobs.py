@@ -3,10 +3,19 @@ chat (one entry per token with its UTF-8 bytes)."""
 
 from __future__ import annotations
 
-from coordinator.api.responses import ChatLogprobs, CompletionLogprobs, TokenLogprob, TopLogprob
+import itertools
+
+from coordinator.api.responses import (
+    ChatLogprobs,
+    CompletionLogprobs,
+    PromptLogprobs,
+    PromptTokenLogprob,
+    TokenLogprob,
+    TopLogprob,
+)
 from engine.outputs import RequestOutput
 from engine.tokenizer import Tokenizer
-from protocol.sampling import TokenLogprobs
+from protocol.sampling import PromptLogprob, TokenLogprobs
 
 
 class TokenTexts:
@@ -55,13 +64,65 @@ def completion_logprobs(
     )
 
 
-def _top_by_text(texts: TokenTexts, entry: TokenLogprobs, sampled: str) -> dict[str, float]:
-    """The alternatives and, as the completions API promises (up to logprobs + 1 entries), the
-    sampled token even where it is not among them."""
+def echoed_logprobs(
+    texts: TokenTexts,
+    prompt_ids: list[int],
+    entries: list[PromptLogprob | None],
+    top_n: int,
+    completion: CompletionLogprobs,
+    echo_chars: int,
+) -> CompletionLogprobs:
+    """An echoed completion's logprobs: the prompt's tokens first (the very first has none, as
+    nothing comes before it), then the completion's (`completion`, whose offsets count from
+    the completion's start: they move past the `echo_chars` of echoed text)."""
+    tokens = [texts(t) for t in prompt_ids]
+    return CompletionLogprobs(
+        tokens=tokens + completion.tokens,
+        token_logprobs=[None if e is None else e.logprob for e in entries]
+        + completion.token_logprobs,
+        top_logprobs=[
+            None if e is None else _top_by_text(texts, e, tokens[i], top_n)
+            for i, e in enumerate(entries)
+        ]
+        + completion.top_logprobs,
+        text_offset=list(itertools.accumulate((len(t) for t in tokens[:-1]), initial=0))
+        + [echo_chars + offset for offset in completion.text_offset],
+    )
+
+
+def prompt_logprobs(
+    texts: TokenTexts, prompt_ids: list[int], entries: list[PromptLogprob | None], top_n: int
+) -> PromptLogprobs:
+    """vLLM's `prompt_logprobs`: per prompt token, a dict by token id of the token itself
+    and the `top_n` likeliest there, each with its logprob, rank and text."""
+    out: PromptLogprobs = []
+    for token_id, entry in zip(prompt_ids, entries, strict=True):
+        if entry is None:
+            out.append(None)
+            continue
+        here = {str(token_id): _prompt_entry(texts, token_id, entry.logprob, entry.rank)}
+        for rank, (other, logprob) in enumerate(entry.top[:top_n], 1):
+            here.setdefault(str(other), _prompt_entry(texts, other, logprob, rank))
+        out.append(here)
+    return out
+
+
+def _prompt_entry(texts: TokenTexts, token: int, logprob: float, rank: int) -> PromptTokenLogprob:
+    return PromptTokenLogprob(logprob=logprob, rank=rank, decoded_token=texts(token))
+
+
+def _top_by_text(
+    texts: TokenTexts,
+    entry: TokenLogprobs | PromptLogprob,
+    sampled: str,
+    top_n: int | None = None,
+) -> dict[str, float]:
+    """The alternatives (the first `top_n`, or all) and, as the completions API promises (up
+    to logprobs + 1 entries), the sampled token even where it is not among them."""
     # Keyed by text, so two tokens with one text (partial UTF-8 bytes both show as U+FFFD)
     # share an entry: the first, most likely one keeps it.
     top: dict[str, float] = {}
-    for token_id, logprob in entry.top:
+    for token_id, logprob in entry.top[:top_n]:
         top.setdefault(texts(token_id), logprob)
     top.setdefault(sampled, entry.logprob)
     return top

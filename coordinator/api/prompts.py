@@ -101,4 +101,5 @@ def _sampling_fields(request: SamplingRequest) -> dict:
         "ignore_eos": request.ignore_eos,
         "include_stop_str_in_output": request.include_stop_str_in_output,
         "skip_special_tokens": request.skip_special_tokens,
+        "prompt_logprobs": request.scored_prompt,
     }

@@ -27,7 +27,6 @@ TEMPLATE_ARGUMENTS = RESERVED_TEMPLATE_KWARGS | {"messages", "tokenizer"}
 NEUTRAL_VALUES: dict[str, tuple[Any, ...]] = {
     "suffix": (None, ""),
     "best_of": (None, 1),
-    "parallel_tool_calls": (None, False, True),
     "service_tier": (None, "auto", "default"),
     "modalities": (None, ["text"]),
 }
@@ -155,6 +154,9 @@ class SamplingRequest(_Strict):
     safety_identifier: str | None = None  # OpenAI's successor to `user`: kept, never used
     # OpenAI's hint for routing to a prompt cache: tandem's prefix cache needs none.
     prompt_cache_key: str | None = None
+    # vLLM's extension: each prompt token's logprob given those before it, with this many
+    # alternatives (a whole response's field: not when streaming, as in vLLM)
+    prompt_logprobs: int | None = Field(None, ge=0, le=20)
 
     @model_validator(mode="before")
     @classmethod
@@ -168,7 +170,14 @@ class SamplingRequest(_Strict):
     def _stream_options_need_stream(self) -> SamplingRequest:
         if self.stream_options is not None and not self.stream:
             raise _body_error("stream_options", "stream_options needs stream set to true")
+        if self.prompt_logprobs is not None and self.stream:
+            raise _body_error("prompt_logprobs", "prompt_logprobs is not available when streaming")
         return self
+
+    @property
+    def scored_prompt(self) -> int | None:
+        """SamplingParams.prompt_logprobs: the alternatives per prompt token, or None."""
+        return self.prompt_logprobs
 
     @model_validator(mode="after")
     def _one_structure(self) -> SamplingRequest:
@@ -204,17 +213,17 @@ class CompletionRequest(SamplingRequest):
     prompt: Prompt
     max_tokens: int | None = 16  # OpenAI's default for completions
     logprobs: int | None = None  # this many alternatives per token, with the chosen one's
-    echo: bool = False  # the prompt's text before the completion's
+    echo: bool = False  # the prompt's text before the completion's (with logprobs: its too)
 
-    @model_validator(mode="after")
-    def _echo_without_logprobs(self) -> CompletionRequest:
-        if self.echo and self.logprobs is not None:
-            raise _body_error(
-                "echo",
-                "echo with logprobs needs the prompt's logprobs, which tandem does not "
-                "compute: send one or the other",
-            )
-        return self
+    @property
+    def scored_prompt(self) -> int | None:
+        """echo with logprobs shows the prompt's tokens' logprobs, as OpenAI's API did."""
+        wanted = [n for n in (self.prompt_logprobs, self.echoed_logprobs) if n is not None]
+        return max(wanted) if wanted else None
+
+    @property
+    def echoed_logprobs(self) -> int | None:
+        return self.logprobs if self.echo else None
 
     @field_validator("prompt", mode="before")
     @classmethod
@@ -364,24 +373,22 @@ class ChatCompletionRequest(TemplateOptions, SamplingRequest):
     top_logprobs: int | None = None
     # "auto" (the default with tools) needs the server's tool-call parser (chat.py checks);
     # a named function is a forced call, its arguments held to its parameters' schema;
-    # "required" (a call to any of them) is not done yet.
+    # "required": one call or more, each to one of the tools, held to its schema.
     tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None  # False: "required" makes exactly one call
 
     @model_validator(mode="after")
     def _logprob_flags(self) -> ChatCompletionRequest:
         if self.top_logprobs is not None and not self.logprobs:
             raise _body_error("top_logprobs", "top_logprobs needs logprobs set to true")
-        if self.effective_tool_choice == "required":
-            raise _body_error(
-                "tool_choice",
-                'tool_choice "required" is not supported: name the function ({"type": '
-                '"function", "function": {"name": ...}}), or send "auto" (to a server started '
-                'with --enable-auto-tool-choice) or "none"',
-            )
+        if self.tool_choice == "required" and not self.tools:
+            raise _body_error("tool_choice", 'tool_choice "required" needs tools')
         if isinstance(self.tool_choice, dict):
             self._forced_tool()  # a named function that is not among the tools: a 400 now
-            if self.response_format is not None or self.structured_outputs is not None:
-                raise _body_error("tool_choice", "a forced call takes no response_format")
+        if self.forces_calls and (
+            self.response_format is not None or self.structured_outputs is not None
+        ):
+            raise _body_error("tool_choice", "a forced call takes no response_format")
         both = self.max_tokens is not None and self.max_completion_tokens is not None
         if both and self.max_tokens != self.max_completion_tokens:
             raise _body_error("max_tokens", "max_tokens and max_completion_tokens differ")
@@ -406,11 +413,38 @@ class ChatCompletionRequest(TemplateOptions, SamplingRequest):
         """The function tool_choice names: the reply is one call to it."""
         return self._forced_tool() if isinstance(self.tool_choice, dict) else None
 
+    @property
+    def forces_calls(self) -> bool:
+        """The reply is tool calls and nothing else: a named function, or "required"."""
+        return self.tool_choice == "required" or isinstance(self.tool_choice, dict)
+
     def structure(self) -> tuple[str, str] | None:
         tool = self.forced_tool
-        if tool is None:
-            return super().structure()
-        return ("json_schema", json.dumps(tool.function.parameters or {"type": "object"}))
+        if tool is not None:
+            return ("json_schema", json.dumps(_parameters(tool)))
+        if self.tool_choice == "required":
+            return ("json_schema", json.dumps(self._calls_schema()))
+        return super().structure()
+
+    def _calls_schema(self) -> dict[str, Any]:
+        """What "required" holds the reply to: a JSON array of calls, each
+        {"name": one of the tools, "parameters": that tool's arguments}."""
+        calls = [
+            {
+                "type": "object",
+                "properties": {
+                    "name": {"type": "string", "enum": [tool.function.name]},
+                    "parameters": _parameters(tool),
+                },
+                "required": ["name", "parameters"],
+                "additionalProperties": False,
+            }
+            for tool in self.tools or []
+        ]
+        schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": calls}}
+        if self.parallel_tool_calls is False:
+            schema["maxItems"] = 1
+        return schema
 
     @property
     def effective_tool_choice(self) -> str | dict[str, Any]:
@@ -426,6 +460,10 @@ class ChatCompletionRequest(TemplateOptions, SamplingRequest):
     @property
     def num_logprobs(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
+
+
+def _parameters(tool: Tool) -> dict[str, Any]:
+    return tool.function.parameters or {"type": "object"}
 
 
 class TokenizeRequest(TemplateOptions):

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
-from pydantic import BaseModel
+from pydantic import BaseModel, Field
 
 
 class PromptTokensDetails(BaseModel):
@@ -23,9 +23,24 @@ class Usage(BaseModel):
 
 class CompletionLogprobs(BaseModel):
     tokens: list[str]
-    token_logprobs: list[float]
-    top_logprobs: list[dict[str, float]]
+    token_logprobs: list[float | None]  # None: an echoed prompt's first token
+    top_logprobs: list[dict[str, float] | None]
     text_offset: list[int]
+
+
+class PromptTokenLogprob(BaseModel):
+    """vLLM's shape of a prompt token's logprob (keyed by token id in a dict per position)."""
+
+    logprob: float
+    rank: int
+    decoded_token: str
+
+
+PromptLogprobs = list[dict[str, PromptTokenLogprob] | None]
+
+
+def _absent_unless_given() -> Any:
+    return Field(None, exclude_if=lambda value: value is None)
 
 
 class CompletionChoice(BaseModel):
@@ -34,6 +49,7 @@ class CompletionChoice(BaseModel):
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
+    prompt_logprobs: PromptLogprobs | None = _absent_unless_given()  # vLLM's extension
 
 
 class Completion(BaseModel):
@@ -96,6 +112,7 @@ class ChatCompletion(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: Usage
+    prompt_logprobs: PromptLogprobs | None = _absent_unless_given()  # vLLM's extension
 
 
 class Delta(BaseModel):

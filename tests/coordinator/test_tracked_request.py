@@ -9,7 +9,7 @@ from coordinator.request_state import TrackedRequest
 from engine.outputs import RequestOutput, StreamFailed
 from protocol.errors import EngineDeadError
 from protocol.messages import TokenUpdate, WorkRequest
-from protocol.sampling import FinishReason, SamplingParams, TokenLogprobs
+from protocol.sampling import FinishReason, PromptLogprob, SamplingParams, TokenLogprobs
 from tests.support.fake_workers import FakeTokenizer
 
 PROMPT = [1, 2, 3]
@@ -47,6 +47,32 @@ def test_first_token_then_the_decode_workers_copy_of_it() -> None:
     assert (first.delta_token_ids, first.delta_text) == ([10], "k")
     assert (second.delta_token_ids, second.delta_text, second.token_ids) == ([11], "l", [10, 11])
     assert request.output_ids == [10, 11]
+
+
+SCORES = [None, PromptLogprob(-1.5, 2, []), PromptLogprob(-0.5, 1, [])]
+
+
+def test_the_decode_workers_tokens_wait_for_the_prompts_scores() -> None:
+    """With prompt logprobs asked for, a decode worker that reports (even finishes) before its
+    prefill worker answers is held: every output, the first too, carries the prompt's scores."""
+    request = tracked(SamplingParams(prompt_logprobs=0, max_tokens=2))
+    request.awaits_prompt = True  # (the coordinator sets it as the prefill call leaves)
+    assert request.accept(update(0, [10, 11], FinishReason.LENGTH)) is False
+    assert drain(request) == [] and not request.finished
+    request.accept_prompt(SCORES)
+    request.accept_first(0, 10, None)  # the prefill worker's copy: a repeat by now
+    [output] = drain(request)
+    assert output.token_ids == [10, 11] and output.finished
+    assert output.prompt_logprobs == SCORES
+
+
+def test_a_new_attempt_drops_the_updates_held_for_scores() -> None:
+    request = tracked(SamplingParams(prompt_logprobs=0))
+    request.awaits_prompt = True
+    request.accept(update(0, [10]))
+    request.next_attempt()  # the prefill failed: its decode worker's tokens go with it
+    request.accept_prompt(None)
+    assert drain(request) == [] and request.output_ids == []
 
 
 def test_repeated_batch_is_dropped() -> None:

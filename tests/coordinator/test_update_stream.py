@@ -12,8 +12,9 @@ import pytest
 
 from coordinator.update_server import UpdateServer
 from decode.publisher import UpdatePublisher
+from protocol.errors import RequestError
 from protocol.messages import RequestFailed, TokenUpdate, WorkerUpdate
-from protocol.sampling import FinishReason, TokenLogprobs
+from protocol.sampling import FinishReason, PromptLogprob, TokenLogprobs
 from protocol.wire import (
     HEADER,
     MAX_FRAME_BYTES,
@@ -37,6 +38,15 @@ UPDATES: list[WorkerUpdate] = [
         num_cached_tokens=16,
     ),
     RequestFailed("c#1", "KV did not arrive within 1.0s", retry=False),
+    RequestFailed("d#1", "the json schema cannot be used: ...", retry=False, invalid=True),
+    TokenUpdate(
+        "e#1",
+        0,
+        [3],
+        [None],
+        num_prompt_tokens=3,
+        prompt_logprobs=[None, PromptLogprob(-2.5, 4, [(8, -0.25)]), PromptLogprob(-0.1, 1, [])],
+    ),
 ]
 
 
@@ -47,6 +57,8 @@ def test_updates_survive_the_wire_field_for_field() -> None:
     assert decoded == UPDATES
     assert decoded[1].finish_reason is FinishReason.STOP
     assert type(decoded[1].logprobs[0]) is TokenLogprobs
+    assert type(decoded[4].prompt_logprobs[1]) is PromptLogprob
+    assert isinstance(decoded[3].error(), RequestError)  # the client's fault: a 400
 
 
 def test_bad_bytes_are_frame_errors() -> None:

@@ -16,6 +16,7 @@ from coordinator.router import prefix_hashes
 from engine.config import ModelConfig
 from engine.llm import LLM
 from protocol.core_ledger import PREFIX, CoreLedger, ledger_dir
+from protocol.errors import RequestError
 from protocol.sampling import SamplingParams
 from tests.support.hf_reference import hf_greedy
 from tests.support.loop import collect
@@ -162,6 +163,38 @@ def test_seeded_sampling_is_the_same_disaggregated(tiny_llama, build_pool, loop,
     assert run_all(loop, client, prompts, seeded, tag="s") == colocated
 
 
+def test_prompt_logprobs_are_the_same_disaggregated(tiny_llama, build_pool, loop) -> None:
+    """The worker that computes a prompt's KV scores it: the prefill worker (its answer brings
+    them to the coordinator with the first token) or, prefilling locally, the decode worker."""
+    prompts = [[5, 6, 7, 8, 9, 10, 11], [9, 10, 11, 12, 13, 14, 15, 16, 17, 18]]
+    params = SamplingParams(max_tokens=4, temperature=0, prompt_logprobs=2)
+    llm = LLM(tiny_llama, dtype="float32", block_size=4)
+    colocated = llm.generate_ids(prompts, params)
+
+    def ranked(outputs) -> list:  # each prompt token's rank and alternatives
+        return [[e and (e.rank, [t for t, _ in e.top]) for e in o.prompt_logprobs] for o in outputs]
+
+    for threshold in (0, 10_000):  # remote prefill, then every prompt prefilled locally
+        client = build_pool(
+            tiny_llama, num_prefill=1, num_decode=1, local_prefill_threshold=threshold
+        )
+
+        async def go(tag: str, client=client):
+            return await asyncio.gather(
+                *(collect(client, p, params, f"{tag}-{i}") for i, p in enumerate(prompts))
+            )
+
+        for again in range(2):  # the second time, both workers hold the prompts' blocks
+            outputs = [final for final, _ in loop.run(go(f"p{threshold}-{again}"))]
+            assert [o.token_ids for o in outputs] == [o.token_ids for o in colocated]
+            assert ranked(outputs) == ranked(colocated)
+            for got, want in zip(outputs, colocated, strict=True):
+                assert [e and e.logprob for e in got.prompt_logprobs] == pytest.approx(
+                    [e and e.logprob for e in want.prompt_logprobs], abs=1e-5
+                )
+        build_pool.stop_all()
+
+
 def test_structured_output_is_the_same_disaggregated(tiny_llama, build_pool, loop) -> None:
     """The prefill worker samples the first token inside the response format; the decode
     worker's matcher reads it and goes on inside it: the output equals colocated's."""
@@ -174,3 +207,9 @@ def test_structured_output_is_the_same_disaggregated(tiny_llama, build_pool, loo
     assert run_all(loop, client, prompts, params, tag="g") == colocated
     texts = [llm.tokenizer.decode(ids) for ids in colocated]
     assert all(t[:3] in ("abc", "xyz") and 3 <= t.count("d") <= 5 for t in texts), texts
+    # A schema the prefill worker's compiler refuses fails its request as the client's error
+    # (a 400 over HTTP), alone: the pool serves on.
+    bad = SamplingParams(max_tokens=3, structure=("json_schema", '{"type": 7}'))
+    with pytest.raises(RequestError, match="the json schema cannot be used: "):
+        run_all(loop, client, prompts[:1], bad, tag="bad")
+    assert run_all(loop, client, prompts, params, tag="g2") == colocated

@@ -96,6 +96,7 @@ def test_a_schema_the_grammar_compiler_refuses_fails_its_request_alone(tiny_llam
         updates += engine.step()
     failed = [u for u in updates if isinstance(u, RequestFailed)]
     assert [u.request_id for u in failed] == ["bad"] and "cannot be used" in failed[0].reason
+    assert failed[0].invalid and not failed[0].retry  # the client's error: a 400, no retry
     assert sum(len(u.token_ids) for u in updates if u.request_id == "good") == 3
     assert not engine.structures.matchers and not engine.has_unfinished
 

@@ -105,7 +105,11 @@ BAD_REQUESTS = [
     ("/v1/completions", {"prompt": "hi", "logprobs": 21}, 400, "logprobs"),
     ("/v1/completions", {"prompt": "hi", "seed": 2**63}, 400, "seed"),  # past signed 64 bits
     ("/v1/completions", {"prompt": "hi", "stream_options": {}}, 400, "stream_options"),
-    ("/v1/completions", {"prompt": "hi", "echo": True, "logprobs": 1}, 400, "echo"),
+    ("/v1/completions", {"prompt": "hi", "prompt_logprobs": 1, "stream": True}, 400,
+     "prompt_logprobs"),  # as in vLLM: a whole response's field
+    ("/v1/completions", {"prompt": "hi", "prompt_logprobs": 21}, 400, "prompt_logprobs"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
+                              "prompt_logprobs": -1}, 400, "prompt_logprobs"),
     ("/v1/completions", {"prompt": "hi", "suffix": "!"}, 400, "suffix"),
     ("/v1/completions", {"prompt": "hi", "best_of": 3}, 400, "best_of"),
     ("/v1/completions", {"prompt": "hi", "logit_bias": {"5": 101}}, 400, "logit_bias"),
@@ -122,7 +126,10 @@ BAD_REQUESTS = [
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
                               "tools": [WEATHER]}, 400, "tool_choice"),  # "auto" by default
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
-                              "tools": [WEATHER], "tool_choice": "required"}, 400, "tool_choice"),
+                              "tool_choice": "required"}, 400, "tool_choice"),  # no tools
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "tools": [WEATHER],
+                              "tool_choice": "required", "response_format": {
+                                  "type": "json_object"}}, 400, "tool_choice"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "tools": [WEATHER],
                               "tool_choice": {"type": "function", "function": {"name": "nope"}}},
      400, "tool_choice"),
@@ -191,6 +198,54 @@ def test_echo_puts_each_prompt_before_its_completion(http) -> None:
     ids = http.post("/tokenize", json={"prompt": "The quick"}).json()["tokens"]
     by_ids = http.post("/v1/completions", json={**base, "prompt": ids, "echo": True}).json()
     assert by_ids["choices"][0]["text"] == texts[0]  # token ids: decoded
+
+
+def test_echo_with_logprobs_scores_the_prompt_as_prompt_logprobs_does(http) -> None:
+    """The legacy completions API's echo with logprobs (what evaluation harnesses send to
+    score a text): the prompt's tokens come first in the logprobs, the first without one; the
+    same numbers as vLLM's prompt_logprobs; streamed, the prompt's come in the first chunk."""
+    prompt = list(range(5, 15))
+    base = {"prompt": prompt, "max_tokens": 3, "temperature": 0, "ignore_eos": True}
+    plain = http.post("/v1/completions", json={**base, "logprobs": 2}).json()["choices"][0]
+    assert "prompt_logprobs" not in plain  # absent unless asked for
+    echoed = http.post("/v1/completions", json={**base, "logprobs": 2, "echo": True}).json()
+    choice = echoed["choices"][0]
+    lp = choice["logprobs"]
+    assert len(lp["tokens"]) == len(prompt) + 3
+    assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+    assert all(x <= 0 for x in lp["token_logprobs"][1:])
+    assert all(1 <= len(top) <= 3 for top in lp["top_logprobs"][1:])  # 2 and the token itself
+    assert lp["text_offset"] == sorted(lp["text_offset"]) and lp["text_offset"][0] == 0
+    assert lp["token_logprobs"][len(prompt) :] == plain["logprobs"]["token_logprobs"]
+    assert lp["text_offset"][len(prompt)] == len(choice["text"]) - len(plain["text"])
+    scored = http.post("/v1/completions", json={**base, "prompt_logprobs": 2}).json()
+    positions = scored["choices"][0]["prompt_logprobs"]
+    assert len(positions) == len(prompt) and positions[0] is None
+    prompt_part = lp["token_logprobs"][1 : len(prompt)]
+    for token, logprob, here in zip(prompt[1:], prompt_part, positions[1:], strict=True):
+        mine = here.pop(str(token))
+        assert mine["logprob"] == logprob and mine["rank"] >= 1
+        others = sorted(entry["rank"] for entry in here.values())  # the 2 likeliest but it
+        assert others == ([1, 2] if mine["rank"] > 2 else [3 - mine["rank"]])
+    with http.stream(
+        "POST", "/v1/completions", json={**base, "logprobs": 2, "echo": True, "stream": True}
+    ) as response:
+        chunks = [json.loads(d)["choices"][0] for d in events(response)[:-1]]
+    assert "".join(c["text"] for c in chunks) == choice["text"]
+    streamed = [t for c in chunks if c["logprobs"] for t in c["logprobs"]["token_logprobs"]]
+    assert streamed == lp["token_logprobs"]
+    assert chunks[0]["logprobs"]["tokens"] == lp["tokens"][: len(prompt)]
+
+
+def test_chat_prompt_logprobs_score_the_rendered_conversation(http) -> None:
+    body = {"messages": [{"role": "user", "content": "hi there"}], "max_tokens": 2,
+            "temperature": 0}  # fmt: skip
+    plain = http.post("/v1/chat/completions", json=body).json()
+    scored = http.post("/v1/chat/completions", json={**body, "prompt_logprobs": 0}).json()
+    assert "prompt_logprobs" not in plain and plain["choices"] == scored["choices"]
+    positions = scored["prompt_logprobs"]
+    assert len(positions) == scored["usage"]["prompt_tokens"] and positions[0] is None
+    assert all(len(here) == 1 for here in positions[1:])  # the token alone: 0 alternatives
 
 
 def test_neutral_values_of_unimplemented_parameters_pass(http) -> None:
@@ -370,15 +425,63 @@ def test_response_format_errors(http, extra, param) -> None:
     assert_error(http.post("/v1/chat/completions", json=body), 400, param)
 
 
-def test_a_schema_the_workers_cannot_compile_is_an_error_not_a_hang(http) -> None:
+def test_a_schema_the_workers_cannot_compile_is_a_400_not_a_hang(http) -> None:
     pytest.importorskip("xgrammar")
     body = {
         "prompt": "x",
         "max_tokens": 3,
         "response_format": {"type": "json_schema", "json_schema": {"schema": {"type": 7}}},
     }
-    error = assert_error(http.post("/v1/completions", json=body), 500)
-    assert "cannot be used" in error["message"]
+    error = assert_error(http.post("/v1/completions", json=body), 400)
+    assert error["message"].startswith("the json schema cannot be used: ")
+    assert "/project/cpp" not in error["message"]  # xgrammar's source position, dropped
+
+
+def test_tool_choice_required_makes_calls_to_the_tools_with_arguments_that_fit(http) -> None:
+    """tool_choice "required": the reply is one call or more, each naming one of the tools
+    with arguments held to its parameters (finish_reason "tool_calls"); parallel_tool_calls
+    false makes it exactly one; streamed, the calls come whole; a reply cut short by
+    max_tokens holds no calls and stays text."""
+    pytest.importorskip("xgrammar")
+    cities = {"type": "string", "enum": ["Paris", "Oslo"]}
+    tools = [
+        {"type": "function", "function": {"name": name, "parameters": {
+            "type": "object", "properties": {"city": cities}, "required": ["city"],
+            "additionalProperties": False}}}
+        for name in ("get_weather", "get_time")
+    ]  # fmt: skip
+    body = {"messages": [{"role": "user", "content": "weather and time in Paris?"}],
+            "tools": tools, "tool_choice": "required", "max_tokens": 60,
+            "temperature": 0}  # fmt: skip
+
+    def check(calls: list[dict]) -> None:
+        assert calls
+        for call in calls:
+            assert call["id"].startswith("call_") and call["type"] == "function"
+            assert call["function"]["name"] in ("get_weather", "get_time")
+            assert json.loads(call["function"]["arguments"]) in (
+                {"city": "Paris"},
+                {"city": "Oslo"},
+            )
+
+    choice = http.post("/v1/chat/completions", json=body).json()["choices"][0]
+    assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] is None
+    check(choice["message"]["tool_calls"])
+    with http.stream("POST", "/v1/chat/completions", json={**body, "stream": True}) as response:
+        chunks = [json.loads(d) for d in events(response)[:-1]]
+    [last] = [c["choices"][0] for c in chunks if c["choices"][0]["delta"].get("tool_calls")]
+    assert last["finish_reason"] == "tool_calls"
+    streamed = last["delta"]["tool_calls"]
+    assert [c["index"] for c in streamed] == list(range(len(streamed)))
+    assert [c["function"] for c in streamed] == [
+        c["function"] for c in choice["message"]["tool_calls"]
+    ]
+    one = http.post("/v1/chat/completions", json={**body, "parallel_tool_calls": False}).json()
+    [call] = one["choices"][0]["message"]["tool_calls"]
+    check([call])
+    short = http.post("/v1/chat/completions", json={**body, "max_tokens": 3}).json()["choices"][0]
+    assert short["finish_reason"] == "length" and short["message"]["tool_calls"] == []
+    assert short["message"]["content"].startswith("[")
 
 
 def test_a_named_tool_choice_forces_one_call_with_arguments_that_fit(http) -> None:
