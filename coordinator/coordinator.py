@@ -44,7 +44,7 @@ from coordinator.update_server import UpdateServer
 from engine.outputs import RequestOutput, read_stream
 from engine.tokenizer import Tokenizer
 from planning.window import LoadWindow
-from protocol.errors import EngineDeadError, PoolError, RequestError, RequestFailedError
+from protocol.errors import EngineDeadError, InvalidOutputError, PoolError, RequestFailedError
 from protocol.limits import ModelLimits
 from protocol.messages import PrefillResult, RequestFailed, WorkerUpdate, WorkRequest
 from protocol.sampling import SamplingParams
@@ -52,6 +52,9 @@ from protocol.stats import HANDOVER_BUCKETS, Histogram, PoolWorker, WorkerStats
 from protocol.telemetry import StepRecord, Telemetry
 
 log = logging.getLogger(__name__)
+
+# A lost attempt waits this long for its prefill call's own verdict (coordinator._unless_lost).
+PREFILL_VERDICT_S = 0.5
 MAX_ATTEMPTS = 4
 MAX_CORRUPT_TRANSFERS = 2  # KV checksum failures before a request is prefilled on its decoder
 STATS_SECONDS = 1.0
@@ -206,6 +209,7 @@ class Coordinator:
         self.limits.check_prompt(prompt_ids)
         if params is not None:
             self.limits.check_params(params)
+            self.limits.check_scores(prompt_ids, params)
 
     def stats(self) -> list[WorkerStats]:
         return list(self._stats.values())
@@ -379,7 +383,9 @@ class Coordinator:
         route = request.route
         if ticket is not None:
             prefill_id = route.prefill_id
-            request.awaits_prompt = request.params.prompt_logprobs is not None
+            request.awaits_prompt = (  # (a retry may have them from an earlier attempt)
+                request.params.prompt_logprobs is not None and request.prompt_logprobs is None
+            )
             try:
                 result: PrefillResult | None = await self._unless_lost(
                     request,
@@ -387,6 +393,7 @@ class Coordinator:
                         self.prefill[prefill_id].prefill, request.aged(work), ticket,
                         timeout=self.config.prefill_timeout(len(work.token_ids)),
                     ),
+                    verdict_s=PREFILL_VERDICT_S,
                 )  # fmt: skip
                 if result is None:  # its decode or prefill worker left meanwhile
                     return
@@ -394,8 +401,8 @@ class Coordinator:
             except RequestFailedError as err:  # this request broke the worker's step: no retry
                 request.fail(RequestFailedError(_brief(err)))
                 return
-            except RequestError as err:  # the request is at fault (its response format)
-                request.fail(RequestError(_brief(err)))
+            except InvalidOutputError as err:  # the request is at fault (its response format)
+                request.fail(InvalidOutputError(_brief(err)))
                 return
             except Exception as err:
                 self._note_failure(prefill_id, err)
@@ -425,13 +432,25 @@ class Coordinator:
         await request.ended.wait()
 
     @staticmethod
-    async def _unless_lost(request: TrackedRequest, call: Coroutine) -> Any | None:
+    async def _unless_lost(
+        request: TrackedRequest, call: Coroutine, verdict_s: float = 0.0
+    ) -> Any | None:
         """The call's result, or None (the call cancelled) if the attempt is lost first: a
-        worker that left never holds the request up until its deadline."""
+        worker that left never holds the request up until its deadline. Lost first, the call
+        still has `verdict_s` to fail with the request's own fault (RequestFailedError,
+        InvalidOutputError), which then ends it without a retry: a prefill worker that refuses
+        a request aborts its KV, and its decode worker may report that abort sooner."""
         work = asyncio.ensure_future(call)
         lost = asyncio.ensure_future(request.ended.wait())
         try:
             await asyncio.wait({work, lost}, return_when=asyncio.FIRST_COMPLETED)
+            if not work.done() and verdict_s > 0:
+                await asyncio.wait({work}, timeout=verdict_s)
+                if work.done() and not work.cancelled():
+                    if isinstance(work.exception(), InvalidOutputError | RequestFailedError):
+                        raise work.exception()
+                    if work.exception() is not None:
+                        return None  # (its failure came from the loss: nothing to note)
         finally:
             lost.cancel()
             if not work.done():

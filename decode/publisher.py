@@ -20,7 +20,7 @@ from collections.abc import Callable
 
 from protocol.kv import Endpoint
 from protocol.messages import WorkerUpdate
-from protocol.wire import hello, pack_updates
+from protocol.wire import hello, update_frames
 
 log = logging.getLogger(__name__)
 CONNECT_TIMEOUT = 10.0
@@ -63,8 +63,8 @@ class UpdatePublisher:
         try:
             while not self._stopped.is_set():
                 updates = self._take(TAKE_SECONDS)
-                if updates:
-                    self._sock.sendall(pack_updates(updates))
+                for payload in update_frames(updates) if updates else ():
+                    self._sock.sendall(payload)
                     self.frames_sent += 1
         except Exception as err:  # the engine crashed or the connection broke: say so by closing
             log.warning("update stream ends: %s: %s", type(err).__name__, err)

@@ -130,6 +130,8 @@ class LLMEngine:
             raise RequestError(f"request id {request_id!r} is already in use")
         self.check_request([*prompt_ids, *output_ids], params)
         seq = Sequence(request_id, [*prompt_ids, *output_ids], len(prompt_ids), params)
+        if params.prompt_logprobs is not None:
+            seq.prompt_logprobs = [None]  # the first token's (a one-token prompt's only one)
         self.sequences[request_id] = seq
         if params.seed is not None:
             generator = torch.Generator().manual_seed(params.seed)
@@ -200,6 +202,7 @@ class LLMEngine:
         self.limits.check_prompt(prompt_ids)
         if params is not None:
             self.limits.check_params(params)
+            self.limits.check_scores(prompt_ids, params)
 
     def abort(self, request_id: str) -> bool:
         """Stops a request and frees its blocks; False if it is unknown or already finished."""
@@ -286,7 +289,6 @@ class LLMEngine:
         logits, prompts = self.runner.execute(plan, hook, extra)
         for seq, first, scores in prompts:
             targets = seq.token_ids[first + 1 : first + 1 + len(scores)]
-            seq.prompt_logprobs = seq.prompt_logprobs or [None]
             seq.prompt_logprobs += prompt_logprobs(scores, targets, seq.params.prompt_logprobs)
         self.scheduler.commit(plan)
         rows, kept, failed = [], [], []

@@ -7,6 +7,11 @@ class RequestError(ValueError):
     """A request no worker can take (too long, duplicate id, empty prompt, unknown tokens)."""
 
 
+class InvalidOutputError(RequestError):
+    """A worker refused what the request asks of its output (a response format its grammar
+    compiler cannot take): the client's error, found only where the output is made."""
+
+
 class RequestFailedError(RuntimeError):
     """The engine failed on this request alone (its sampling raised); retrying cannot help,
     and every other request goes on."""

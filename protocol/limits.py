@@ -8,6 +8,10 @@ from typing import NamedTuple
 from protocol.errors import RequestError
 from protocol.sampling import SamplingParams
 
+# Prompt tokens x (alternatives + 1) one request may ask the logprobs of: ~14 bytes each on the
+# wire (protocol/wire.py), so a few such requests fit one update frame of MAX_FRAME_BYTES.
+MAX_PROMPT_SCORES = 1_000_000
+
 
 class ModelLimits(NamedTuple):
     max_model_len: int  # prompt + output tokens one request may hold
@@ -28,3 +32,15 @@ class ModelLimits(NamedTuple):
     def check_params(self, params: SamplingParams) -> None:
         """Raises SamplingError for sampling fields that point past this model."""
         params.check_vocab(self.vocab_size)
+
+    def check_scores(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        """Raises RequestError for prompt logprobs too many to carry in one update frame."""
+        if params.prompt_logprobs is None:
+            return
+        entries = len(prompt_ids) * (params.prompt_logprobs + 1)
+        if entries > MAX_PROMPT_SCORES:
+            raise RequestError(
+                f"prompt logprobs for {len(prompt_ids)} tokens with {params.prompt_logprobs} "
+                f"alternatives each are {entries} entries; at most {MAX_PROMPT_SCORES} (fewer "
+                "alternatives, or a shorter prompt)"
+            )

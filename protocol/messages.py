@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from protocol.errors import RequestError, RequestFailedError
+from protocol.errors import InvalidOutputError, RequestFailedError
 from protocol.sampling import FinishReason, PromptLogprob, SamplingParams, TokenLogprobs
 
 
@@ -64,7 +64,7 @@ class RequestFailed(NamedTuple):
 
     def error(self) -> Exception:
         """What the request fails with, for one that cannot be retried."""
-        return RequestError(self.reason) if self.invalid else RequestFailedError(self.reason)
+        return InvalidOutputError(self.reason) if self.invalid else RequestFailedError(self.reason)
 
 
 WorkerUpdate = TokenUpdate | RequestFailed

@@ -58,6 +58,20 @@ def pack_updates(updates: list[WorkerUpdate]) -> bytes:
     return frame([_fields(update) for update in updates])
 
 
+def update_frames(updates: list[WorkerUpdate], limit: int = MAX_FRAME_BYTES) -> list[bytes]:
+    """`updates` in frames of at most `limit` bytes each (a batch too big goes in halves); one
+    update too big for any frame (prompt logprobs past what admission allows) becomes its
+    request's failure, never a frame the reader must take for a corrupt stream."""
+    payload = pack_updates(updates)
+    if len(payload) - HEADER.size <= limit:
+        return [payload]
+    if len(updates) > 1:
+        half = len(updates) // 2
+        return update_frames(updates[:half], limit) + update_frames(updates[half:], limit)
+    reason = f"its update is {len(payload)} bytes, over the {limit}-byte frame limit"
+    return [pack_updates([RequestFailed(updates[0].request_id, reason, False, invalid=True)])]
+
+
 def unpack_updates(payload: bytes) -> list[WorkerUpdate]:
     body = _unpack(payload)
     try:

@@ -4,7 +4,7 @@ with the best goodput that meets the SLO.
 Layouts tried for G GPUs and T GPUs per worker (W = G // T workers): W colocated workers, and
 P prefill + D decode with P + D = W: every P up to GRID of them; past that, GRID + 1 values of P
 spread evenly over 1..W-1, then as many again between the best one's neighbours, and so on until
-the bracket holds no more than GRID (each round shrinks it ~GRID/2-fold: 1,000 workers take
+the bracket holds no more than GRID + 1 (each round shrinks it ~GRID/2-fold: 1,000 workers take
 three rounds, ~50 simulations instead of 999). That finds the best P when goodput rises to one
 peak and falls, as it does with P (too few prefill workers: TTFT; too few decode: ITL); a
 workload with two separate peaks could hide the narrower one between two grid points. Each is
@@ -107,6 +107,8 @@ def search(
 
     def simulate(prefills: list[int]) -> None:
         new = [p for p in prefills if p not in known]
+        if not new:  # (a narrowed bracket may hold only splits simulated already)
+            return
         trials = [dataclasses.replace(scenario, deployment=layout(base, workers, p)) for p in new]
         for p, candidate in zip(
             new, _evaluate_all(trials, requests, load, objectives, jobs), strict=True

@@ -32,6 +32,7 @@ from coordinator.api.sse import TextFrames
 from engine.outputs import RequestOutput
 
 router = APIRouter()
+NO_LOGPROBS = CompletionLogprobs(tokens=[], token_logprobs=[], top_logprobs=[], text_offset=[])
 
 
 @router.post("/v1/completions")
@@ -80,7 +81,7 @@ def _choice(
     if body.logprobs is not None:
         logprobs = completion_logprobs(ctx.token_texts, *all_logprobs(out), offset=0)
         if body.echoed_logprobs is not None and out.prompt_logprobs is not None:
-            logprobs = _with_prompt(ctx, body, out, logprobs, echo)
+            logprobs = _with_prompt(ctx, body, out, logprobs)
     prompt = None
     if body.prompt_logprobs is not None and out.prompt_logprobs is not None:
         prompt = prompt_logprobs(
@@ -96,19 +97,15 @@ def _choice(
     )
 
 
-NO_LOGPROBS = CompletionLogprobs(tokens=[], token_logprobs=[], top_logprobs=[], text_offset=[])
-
-
 def _with_prompt(
     ctx: ServerContext,
     body: CompletionRequest,
     out: RequestOutput,
     completion: CompletionLogprobs,
-    echo: str,
 ) -> CompletionLogprobs:
     """echo with logprobs: the prompt's tokens' logprobs before the completion's."""
     texts, prompt = ctx.token_texts, out.prompt_token_ids
-    return echoed_logprobs(texts, prompt, out.prompt_logprobs, body.logprobs, completion, len(echo))
+    return echoed_logprobs(texts, prompt, out.prompt_logprobs, body.logprobs, completion)
 
 
 async def _chunks(
@@ -142,10 +139,9 @@ async def _chunks(
     async for index, out in outputs:
         latest[index] = out
         if scored_echo and index not in offsets and out.prompt_logprobs is not None:
-            echo = echo_of[index]
-            opening = _with_prompt(ctx, body, out, NO_LOGPROBS, echo)
-            yield chunk(CompletionChoice(index=index, text=echo, logprobs=opening))
-            offsets[index] = len(echo)
+            opening = _with_prompt(ctx, body, out, NO_LOGPROBS)
+            yield chunk(CompletionChoice(index=index, text=echo_of[index], logprobs=opening))
+            offsets[index] = sum(len(token) for token in opening.tokens)
         logprobs: CompletionLogprobs | None = None
         if body.logprobs is not None and out.delta_token_ids:
             offset = offsets.get(index, 0)

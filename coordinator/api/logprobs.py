@@ -70,12 +70,13 @@ def echoed_logprobs(
     entries: list[PromptLogprob | None],
     top_n: int,
     completion: CompletionLogprobs,
-    echo_chars: int,
 ) -> CompletionLogprobs:
     """An echoed completion's logprobs: the prompt's tokens first (the very first has none, as
     nothing comes before it), then the completion's (`completion`, whose offsets count from
-    the completion's start: they move past the `echo_chars` of echoed text)."""
+    the completion's start: they go on from the prompt tokens' texts, as vLLM's do, so the
+    offsets rise even where those texts are not the echoed text: a BOS token's, say)."""
     tokens = [texts(t) for t in prompt_ids]
+    prompt_chars = sum(len(t) for t in tokens)
     return CompletionLogprobs(
         tokens=tokens + completion.tokens,
         token_logprobs=[None if e is None else e.logprob for e in entries]
@@ -86,7 +87,7 @@ def echoed_logprobs(
         ]
         + completion.top_logprobs,
         text_offset=list(itertools.accumulate((len(t) for t in tokens[:-1]), initial=0))
-        + [echo_chars + offset for offset in completion.text_offset],
+        + [prompt_chars + offset for offset in completion.text_offset],
     )
 
 

@@ -157,6 +157,8 @@ class SamplingRequest(_Strict):
     # vLLM's extension: each prompt token's logprob given those before it, with this many
     # alternatives (a whole response's field: not when streaming, as in vLLM)
     prompt_logprobs: int | None = Field(None, ge=0, le=20)
+    # chat's tool_choice "required" makes exactly one call with False; completions ignore it
+    parallel_tool_calls: bool | None = None
 
     @model_validator(mode="before")
     @classmethod
@@ -375,7 +377,6 @@ class ChatCompletionRequest(TemplateOptions, SamplingRequest):
     # a named function is a forced call, its arguments held to its parameters' schema;
     # "required": one call or more, each to one of the tools, held to its schema.
     tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
-    parallel_tool_calls: bool | None = None  # False: "required" makes exactly one call
 
     @model_validator(mode="after")
     def _logprob_flags(self) -> ChatCompletionRequest:

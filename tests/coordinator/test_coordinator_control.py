@@ -14,7 +14,7 @@ from ray.exceptions import RayActorError
 import coordinator.coordinator as coordinator_module
 from coordinator.coordinator import MAX_ATTEMPTS, Coordinator, CoordinatorConfig
 from engine.outputs import RequestOutput
-from protocol.errors import EngineDeadError, RequestError
+from protocol.errors import EngineDeadError, InvalidOutputError, RequestError
 from protocol.messages import WorkRequest
 from protocol.sampling import SamplingParams
 from tests.support.fake_workers import OUTPUT, FakeCluster, text_of
@@ -541,3 +541,30 @@ def test_a_disaggregated_request_reports_its_prefill_workers_queue_time() -> Non
         assert outputs[-1].queue_seconds == 0.375
 
     run(main())
+
+
+@pytest.mark.parametrize(
+    "error,raised", [(InvalidOutputError("bad schema"), True), (OSError("channel gone"), False)]
+)
+def test_a_lost_attempt_still_hears_its_prefill_workers_verdict(error, raised) -> None:
+    """The decode worker may report a prefill worker's abort before the prefill call fails: the
+    request's own fault (a 400, no retry) still wins; a failure of another kind stays a loss."""
+    from coordinator.request_state import TrackedRequest
+    from tests.support.fake_workers import FakeTokenizer
+
+    async def go():
+        request = TrackedRequest("r", [1, 2], SamplingParams(), FakeTokenizer())
+        request.next_attempt()
+
+        async def prefill():
+            await asyncio.sleep(0.05)
+            raise error
+
+        request.lose("prefill aborted: bad schema")  # (the decode worker's report came first)
+        return await Coordinator._unless_lost(request, prefill(), verdict_s=2.0)
+
+    if raised:
+        with pytest.raises(InvalidOutputError, match="bad schema"):
+            asyncio.run(go())
+    else:
+        assert asyncio.run(go()) is None

@@ -24,6 +24,7 @@ from protocol.wire import (
     hello,
     pack_updates,
     unpack_updates,
+    update_frames,
 )
 
 UPDATES: list[WorkerUpdate] = [
@@ -59,6 +60,19 @@ def test_updates_survive_the_wire_field_for_field() -> None:
     assert type(decoded[1].logprobs[0]) is TokenLogprobs
     assert type(decoded[4].prompt_logprobs[1]) is PromptLogprob
     assert isinstance(decoded[3].error(), RequestError)  # the client's fault: a 400
+
+
+def test_a_batch_over_the_frame_limit_goes_in_several_frames() -> None:
+    scores = [None] + [PromptLogprob(-1.0, 3, [(t, -0.5) for t in range(20)])] * 200
+    big = [TokenUpdate(f"r{i}", 0, [1], [None], prompt_logprobs=scores) for i in range(4)]
+    limit = len(pack_updates(big[:2])) - HEADER.size  # two fit a frame, four do not
+    frames = update_frames(big, limit)
+    assert len(frames) == 2 and all(len(f) - HEADER.size <= limit for f in frames)
+    assert [u for f in frames for u in unpack_updates(f[HEADER.size :])] == big
+    [alone] = update_frames(big[:1], limit=1000)  # one update over any frame: it fails alone
+    [failed] = unpack_updates(alone[HEADER.size :])
+    assert isinstance(failed, RequestFailed) and failed.request_id == "r0"
+    assert failed.invalid and not failed.retry and "frame limit" in failed.reason
 
 
 def test_bad_bytes_are_frame_errors() -> None:

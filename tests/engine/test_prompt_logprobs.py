@@ -10,6 +10,8 @@ from transformers import AutoModelForCausalLM
 from engine.config import EngineConfig
 from engine.engine import LLMEngine
 from engine.llm import LLM
+from protocol.errors import RequestError
+from protocol.limits import ModelLimits
 from protocol.messages import TokenUpdate
 from protocol.sampling import SamplingParams
 
@@ -99,3 +101,18 @@ def test_a_resumed_request_scores_nothing(tiny_llama) -> None:
     llm_engine.add_request("r", PROMPT, SCORED, output_ids=[30])
     update = first_update(llm_engine, "r")
     assert update.first_index == 1 and update.prompt_logprobs is None
+
+
+def test_a_one_token_prompt_has_one_entry_and_is_scored_at_once(tiny_llama) -> None:
+    llm_engine = engine(tiny_llama)
+    llm_engine.add_request("one", [7], SCORED)
+    update = first_update(llm_engine, "one")
+    assert update.prompt_logprobs == [None]  # nothing comes before its only token
+    assert not llm_engine.sequences["one"].scores_prompt  # (so it may take cache hits)
+
+
+def test_prompt_logprobs_past_what_an_update_frame_carries_are_refused() -> None:
+    limits = ModelLimits(max_model_len=100_000, vocab_size=50_000)
+    limits.check_scores([1] * 40_000, SamplingParams(prompt_logprobs=20))  # 840,000 entries
+    with pytest.raises(RequestError, match="at most 1000000"):
+        limits.check_scores([1] * 50_000, SamplingParams(prompt_logprobs=20))

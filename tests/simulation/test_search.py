@@ -59,3 +59,20 @@ def test_the_search_narrows_on_feasible_layouts_first(monkeypatch) -> None:
     asked = scored_by(monkeypatch, lambda p: p / 1000, feasible=lambda p: 300 <= p <= 420)
     plan = search(scenario(1000), [], LoadConfig(), 1000, [])
     assert plan.best.deployment.prefill_workers == 420 and len(asked) < 60
+
+
+def test_rounds_that_add_no_split_start_no_processes(monkeypatch) -> None:
+    """With 19 workers the second round's bracket may hold only splits simulated already: it
+    must not ask a pool of processes for nothing (a pool of 0 workers raises)."""
+    rounds: list[list[int]] = []
+
+    def evaluate_all(trials, requests, load, objectives, jobs):
+        assert trials and jobs == 2
+        rounds.append([t.deployment.prefill_workers for t in trials])
+        for t in trials:
+            p = t.deployment.prefill_workers
+            yield Candidate(t.deployment, 1.0 - abs(p - 5) / 19, 1.0, {}, True, 0)
+
+    monkeypatch.setattr(search_module, "_evaluate_all", evaluate_all)
+    plan = search(scenario(19), [], LoadConfig(), 19, [], jobs=2)
+    assert plan.best.deployment.prefill_workers == 5 and len(rounds) == 1

@@ -237,6 +237,18 @@ def test_echo_with_logprobs_scores_the_prompt_as_prompt_logprobs_does(http) -> N
     assert chunks[0]["logprobs"]["tokens"] == lp["tokens"][: len(prompt)]
 
 
+def test_echo_with_logprobs_of_a_one_token_prompt(http) -> None:
+    base = {"prompt": [7], "max_tokens": 2, "temperature": 0, "logprobs": 1, "echo": True}
+    whole = http.post("/v1/completions", json=base).json()["choices"][0]
+    assert whole["logprobs"]["token_logprobs"][0] is None
+    assert len(whole["logprobs"]["tokens"]) == 3
+    with http.stream("POST", "/v1/completions", json={**base, "stream": True}) as response:
+        chunks = [json.loads(d)["choices"][0] for d in events(response)[:-1]]
+    assert "".join(c["text"] for c in chunks) == whole["text"]  # the echo included
+    scored = http.post("/v1/completions", json={**base, "prompt_logprobs": 0}).json()
+    assert scored["choices"][0]["prompt_logprobs"] == [None]
+
+
 def test_chat_prompt_logprobs_score_the_rendered_conversation(http) -> None:
     body = {"messages": [{"role": "user", "content": "hi there"}], "max_tokens": 2,
             "temperature": 0}  # fmt: skip
