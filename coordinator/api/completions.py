@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import AsyncIterator
 
@@ -29,6 +30,7 @@ from coordinator.api.prompts import build_params, completion_prompts
 from coordinator.api.protocol import CompletionRequest
 from coordinator.api.responses import Completion, CompletionChoice, CompletionLogprobs
 from coordinator.api.sse import TextFrames
+from coordinator.api.streams import closing
 from engine.outputs import RequestOutput
 
 router = APIRouter()
@@ -41,14 +43,18 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
     ctx = context_of(request)
     ctx.check_model(body.model)
     prompts = completion_prompts(ctx.client.tokenizer, body.prompt)
-    params = [
-        build_params(ctx.client, body, p, body.max_tokens, body.logprobs, {}) for p in prompts
-    ]
+    # max_tokens 0 scores the prompt and generates nothing: the engine makes one token, dropped
+    max_tokens = 1 if body.prompt_only else body.max_tokens
+    params = [build_params(ctx.client, body, p, max_tokens, body.logprobs, {}) for p in prompts]
     job = plan_job("cmpl", ctx, prompts, params, body.n, arrival)
     echoes = _echoes(ctx, body, prompts)
     if body.stream:
-        return stream_job(ctx, job, lambda outputs: _chunks(ctx, job, body, outputs, echoes))
+        return stream_job(
+            ctx, job, lambda outputs: _chunks(ctx, job, body, _shown(body, outputs), echoes)
+        )
     finals = await complete_job(ctx, job, request)
+    if body.prompt_only:
+        finals = {index: _prompt_only(out) for index, out in finals.items()}
     choices = [
         _choice(ctx, body, c.index, finals[c.index], echoes[c.prompt_index]) for c in job.choices
     ]
@@ -60,6 +66,26 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
         usage=job_usage(job, finals),
     )
     return JSONResponse(completion.model_dump())
+
+
+def _prompt_only(out: RequestOutput) -> RequestOutput:
+    """A max_tokens 0 request's output: the token made to get the prompt's logprobs dropped."""
+    return dataclasses.replace(
+        out,
+        token_ids=[],
+        text="",
+        delta_token_ids=[],
+        delta_text="",
+        logprobs=None if out.logprobs is None else [],
+        finish_reason="length" if out.finished else None,
+        stop_reason=None,
+    )
+
+
+async def _shown(body: CompletionRequest, outputs: Outputs) -> Outputs:
+    async with closing(outputs):
+        async for index, out in outputs:
+            yield index, _prompt_only(out) if body.prompt_only else out
 
 
 def _echoes(ctx: ServerContext, body: CompletionRequest, prompts: list[list[int]]) -> list[str]:

@@ -217,6 +217,18 @@ class CompletionRequest(SamplingRequest):
     logprobs: int | None = None  # this many alternatives per token, with the chosen one's
     echo: bool = False  # the prompt's text before the completion's (with logprobs: its too)
 
+    @model_validator(mode="after")
+    def _prompt_only_scores(self) -> CompletionRequest:
+        if self.max_tokens == 0 and not (self.echo or self.prompt_logprobs is not None):
+            message = "max_tokens 0 returns only the prompt: it needs echo or prompt_logprobs"
+            raise _body_error("max_tokens", message)
+        return self
+
+    @property
+    def prompt_only(self) -> bool:
+        """max_tokens 0: the prompt (echoed, scored), nothing generated, as vLLM does."""
+        return self.max_tokens == 0
+
     @property
     def scored_prompt(self) -> int | None:
         """echo with logprobs shows the prompt's tokens' logprobs, as OpenAI's API did."""

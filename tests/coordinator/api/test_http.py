@@ -249,6 +249,31 @@ def test_echo_with_logprobs_of_a_one_token_prompt(http) -> None:
     assert scored["choices"][0]["prompt_logprobs"] == [None]
 
 
+def test_max_tokens_zero_scores_the_prompt_and_generates_nothing(http) -> None:
+    """What scoring clients send (vLLM takes it): echo, logprobs and max_tokens 0 return the
+    prompt with its logprobs, no completion, finish_reason "length", no completion tokens."""
+    prompt = list(range(5, 15))
+    body = {"prompt": prompt, "max_tokens": 0, "echo": True, "logprobs": 1, "temperature": 0}
+    reply = http.post("/v1/completions", json=body).json()
+    choice, usage = reply["choices"][0], reply["usage"]
+    longer = http.post("/v1/completions", json={**body, "max_tokens": 2}).json()["choices"][0]
+    assert len(choice["logprobs"]["tokens"]) == len(prompt) and choice["finish_reason"] == "length"
+    assert choice["logprobs"]["token_logprobs"] == longer["logprobs"]["token_logprobs"][:10]
+    assert longer["text"].startswith(choice["text"]) and choice["text"] != longer["text"]
+    assert usage["completion_tokens"] == 0 and usage["prompt_tokens"] == len(prompt)
+    with http.stream("POST", "/v1/completions", json={**body, "stream": True}) as response:
+        chunks = [json.loads(d)["choices"][0] for d in events(response)[:-1]]
+    assert "".join(c["text"] for c in chunks) == choice["text"]
+    assert [t for c in chunks if c["logprobs"] for t in c["logprobs"]["tokens"]] == choice[
+        "logprobs"
+    ]["tokens"]
+    assert chunks[-1]["finish_reason"] == "length"
+    scored = http.post(
+        "/v1/completions", json={"prompt": prompt, "max_tokens": 0, "prompt_logprobs": 1}
+    ).json()["choices"][0]
+    assert scored["text"] == "" and len(scored["prompt_logprobs"]) == len(prompt)
+
+
 def test_chat_prompt_logprobs_score_the_rendered_conversation(http) -> None:
     body = {"messages": [{"role": "user", "content": "hi there"}], "max_tokens": 2,
             "temperature": 0}  # fmt: skip
