@@ -41,7 +41,7 @@ def resolve_model(client: httpx.Client, config: TargetConfig) -> str:
     """The configured model, else the first id the server lists at /v1/models."""
     if config.model is not None:
         return config.model
-    url = config.base_url.rstrip("/") + "/v1/models"
+    url = config.base_url.rstrip("/").removesuffix("/v1") + "/v1/models"  # (an SDK's base URL)
     try:
         response = client.get(url, headers=request_headers(config))
     except httpx.HTTPError as err:

@@ -10,12 +10,13 @@ import shlex
 import socket
 from pathlib import Path
 
+import httpx
 import pytest
 
 from cli import main as cli
 from loadtest.config import ResultFile, TargetConfig
 from loadtest.results import default_result_filename, result_path
-from loadtest.target import build_target, request_headers
+from loadtest.target import build_target, request_headers, resolve_model
 
 MODEL = "fake-model"  # the fake server's
 VLLM_COMMAND = (
@@ -170,6 +171,16 @@ def test_header_overrides_api_key() -> None:
 def test_an_openai_sdk_base_url_does_not_double_v1(base_url, endpoint, url) -> None:
     config = TargetConfig(base_url, endpoint, "m", None, 1.0)
     assert build_target(config, "m").url == url
+    asked = []
+
+    def models(request: httpx.Request) -> httpx.Response:
+        asked.append(str(request.url))
+        return httpx.Response(200, json={"data": [{"id": "served"}]})
+
+    unnamed = TargetConfig(base_url, endpoint, None, None, 1.0)
+    with httpx.Client(transport=httpx.MockTransport(models)) as client:
+        assert resolve_model(client, unnamed) == "served"
+    assert asked == ["http://h:8000/v1/models"]
 
 
 @pytest.fixture
