@@ -52,7 +52,9 @@ class RequestState:
         if update.finish_reason is not None:
             self.text += self.detokenizer.flush()
             self.finish_reason = update.finish_reason.value
-            self.stop_reason = update.stop_token_id
+            # A stop token the request named; None for EOS, as vLLM reports it.
+            token = update.stop_token_id
+            self.stop_reason = token if token in self.params.stop_token_ids else None
         hit = self._find_stop_string(scan_from)
         return self._output(update, len(tokens)), hit
 

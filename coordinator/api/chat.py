@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import time
 from collections.abc import AsyncIterator
@@ -69,7 +70,8 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
     )
     job = plan_job("chatcmpl", ctx, [prompt], [params], body.n, arrival)
     if body.stream:
-        return stream_job(ctx, job, lambda outputs: _chunks(ctx, job, body, outputs))
+        render = functools.partial(_chunks, ctx, job, body)
+        return await stream_job(ctx, job, render, wait_first=body.structure() is not None)
     finals = await complete_job(ctx, job, request)
     choices = [_choice(ctx, body, c.index, finals[c.index]) for c in job.choices]
     scored = finals[job.choices[0].index]  # (every choice has the one prompt)

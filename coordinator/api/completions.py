@@ -49,8 +49,11 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
     job = plan_job("cmpl", ctx, prompts, params, body.n, arrival)
     echoes = _echoes(ctx, body, prompts)
     if body.stream:
-        return stream_job(
-            ctx, job, lambda outputs: _chunks(ctx, job, body, _shown(body, outputs), echoes)
+        return await stream_job(
+            ctx,
+            job,
+            lambda outputs: _chunks(ctx, job, body, _shown(body, outputs), echoes),
+            wait_first=body.structure() is not None,
         )
     finals = await complete_job(ctx, job, request)
     if body.prompt_only:

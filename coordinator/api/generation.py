@@ -102,14 +102,36 @@ async def run_job(ctx: ServerContext, job: Job, on_output: Callable[[int], None]
             yield index, output
 
 
-def stream_job(
-    ctx: ServerContext, job: Job, render: Callable[[Outputs], AsyncIterator[BaseModel | bytes]]
+async def stream_job(
+    ctx: ServerContext,
+    job: Job,
+    render: Callable[[Outputs], AsyncIterator[BaseModel | bytes]],
+    wait_first: bool = False,
 ) -> EventStream:
     """An SSE response for `job`; `render` turns its outputs into chunks (models, or frames
     built already: coordinator/api/sse.py TextFrames). Admission happens
-    now (a full queue is a plain 503), the ticket is released when the stream ends."""
+    now (a full queue is a plain 503), the ticket is released when the stream ends.
+    `wait_first`: the response starts once the job's first output has come, so a request the
+    workers refuse before any output (a response format they cannot compile) gets its error
+    status and body, as without streaming, not a 200 whose stream carries the error."""
     ticket = ctx.admission.admit(len(job.choices))
-    return EventStream(render(run_job(ctx, job, ticket.started)), on_close=ticket.release)
+    outputs = run_job(ctx, job, ticket.started)
+    if wait_first:
+        try:
+            first = await anext(outputs)
+        except BaseException:  # its error, or the client gone: nothing was sent yet
+            await outputs.aclose()
+            ticket.release()
+            raise
+        outputs = _ahead(first, outputs)
+    return EventStream(render(outputs), on_close=ticket.release)
+
+
+async def _ahead(first: tuple[int, RequestOutput], rest: Outputs) -> Outputs:
+    async with closing(rest):
+        yield first
+        async for item in rest:
+            yield item
 
 
 async def complete_job(ctx: ServerContext, job: Job, request: Request) -> dict[int, RequestOutput]:

@@ -472,6 +472,14 @@ def test_a_schema_the_workers_cannot_compile_is_a_400_not_a_hang(http) -> None:
     error = assert_error(http.post("/v1/completions", json=body), 400)
     assert error["message"].startswith("the json schema cannot be used: ")
     assert "/project/cpp" not in error["message"]  # xgrammar's source position, dropped
+    # Streamed, the response waits for the first output: the same 400, not a 200 stream
+    # carrying an error event.
+    streamed = http.post("/v1/completions", json={**body, "stream": True})
+    assert assert_error(streamed, 400)["message"] == error["message"]
+    chat = {"messages": [{"role": "user", "content": "x"}], "max_tokens": 3, "stream": True,
+            "structured_outputs": {"regex": "(unclosed"}}  # fmt: skip
+    refused = assert_error(http.post("/v1/chat/completions", json=chat), 400)
+    assert "regex cannot be used" in refused["message"]
 
 
 def test_tool_choice_required_makes_calls_to_the_tools_with_arguments_that_fit(http) -> None:
