@@ -49,10 +49,11 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
     job = plan_job("cmpl", ctx, prompts, params, body.n, arrival)
     echoes = _echoes(ctx, body, prompts)
     if body.stream:
+        shown = _prompt_outputs if body.prompt_only else _as_they_are  # (no layer per token)
         return await stream_job(
             ctx,
             job,
-            lambda outputs: _chunks(ctx, job, body, _shown(body, outputs), echoes),
+            lambda outputs: _chunks(ctx, job, body, shown(outputs), echoes),
             wait_first=body.structure() is not None,
         )
     finals = await complete_job(ctx, job, request)
@@ -85,10 +86,14 @@ def _prompt_only(out: RequestOutput) -> RequestOutput:
     )
 
 
-async def _shown(body: CompletionRequest, outputs: Outputs) -> Outputs:
+async def _prompt_outputs(outputs: Outputs) -> Outputs:
     async with closing(outputs):
         async for index, out in outputs:
-            yield index, _prompt_only(out) if body.prompt_only else out
+            yield index, _prompt_only(out)
+
+
+def _as_they_are(outputs: Outputs) -> Outputs:
+    return outputs
 
 
 def _echoes(ctx: ServerContext, body: CompletionRequest, prompts: list[list[int]]) -> list[str]:
