@@ -75,18 +75,13 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
     finals = await complete_job(ctx, job, request)
     choices = [_choice(ctx, body, c.index, finals[c.index]) for c in job.choices]
     scored = finals[job.choices[0].index]  # (every choice has the one prompt)
-    prompt = None
-    if body.prompt_logprobs is not None and scored.prompt_logprobs is not None:
-        prompt = prompt_logprobs(
-            ctx.token_texts, scored.prompt_token_ids, scored.prompt_logprobs, body.prompt_logprobs
-        )
     completion = ChatCompletion(
         id=job.request_id,
         created=job.created,
         model=job.model,
         choices=choices,
         usage=job_usage(job, finals),
-        prompt_logprobs=prompt,
+        prompt_logprobs=prompt_logprobs(ctx.token_texts, scored, body.prompt_logprobs),
     )
     return JSONResponse(completion.model_dump())
 

@@ -116,18 +116,13 @@ def _choice(
         logprobs = completion_logprobs(ctx.token_texts, *all_logprobs(out), offset=0)
         if body.echoed_logprobs is not None and out.prompt_logprobs is not None:
             logprobs = _with_prompt(ctx, body, out, logprobs)
-    prompt = None
-    if body.prompt_logprobs is not None and out.prompt_logprobs is not None:
-        prompt = prompt_logprobs(
-            ctx.token_texts, out.prompt_token_ids, out.prompt_logprobs, body.prompt_logprobs
-        )
     return CompletionChoice(
         index=index,
         text=echo + out.text,
         logprobs=logprobs,
         finish_reason=out.finish_reason,
         stop_reason=out.stop_reason,
-        prompt_logprobs=prompt,
+        prompt_logprobs=prompt_logprobs(ctx.token_texts, out, body.prompt_logprobs),
     )
 
 

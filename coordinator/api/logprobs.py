@@ -92,12 +92,15 @@ def echoed_logprobs(
 
 
 def prompt_logprobs(
-    texts: TokenTexts, prompt_ids: list[int], entries: list[PromptLogprob | None], top_n: int
-) -> PromptLogprobs:
-    """vLLM's `prompt_logprobs`: per prompt token, a dict by token id of the token itself
-    and the `top_n` likeliest there, each with its logprob, rank and text."""
+    texts: TokenTexts, output: RequestOutput, top_n: int | None
+) -> PromptLogprobs | None:
+    """vLLM's `prompt_logprobs` (None where not asked for): per prompt token, a dict by token
+    id of the token itself and the `top_n` likeliest there, each with its logprob, rank and
+    text."""
+    if top_n is None or output.prompt_logprobs is None:
+        return None
     out: PromptLogprobs = []
-    for token_id, entry in zip(prompt_ids, entries, strict=True):
+    for token_id, entry in zip(output.prompt_token_ids, output.prompt_logprobs, strict=True):
         if entry is None:
             out.append(None)
             continue
