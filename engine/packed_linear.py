@@ -10,14 +10,18 @@ step streams every weight once, so that doubles its memory traffic. The packings
   columns, about 1.6x faster than oneDNN at 1 to 16 rows. It is bit-identical to oneDNN at those
   sizes (checked by tests/engine/test_packed_linear.py), so which path a row takes never changes
   a token;
-- on CPUs with AVX-512 BF16 but no AMX (AMD Zen 4), `kernels/csrc/linear_bf16.cpp`'s layout for
-  the same batches: each weight read once per call, feeding all 16 rows (a step's linears at 16
-  rows: 15.0 ms against oneDNN's 19.6 on the development VM). oneDNN's sums here are blocked
-  along K in a way that depends on the shape, so a linear takes this path only when
-  `onednn_block` finds the blocking that gives oneDNN's bits exactly at 2 to 16 rows (blocks of
-  512 up to K = 1,024, of 1,024 at K = 1,536 to 4,096 on the development VM); the others stay
-  on oneDNN. A single row then takes the same order as a batch, which oneDNN's own one-row
-  path does not (at K >= 1,536 it sums in other blocks).
+- on CPUs with AVX-512 but no AMX, `kernels/csrc/linear_bf16.cpp`'s layout for the same
+  batches: each weight read once per call, feeding all 16 rows. With AVX-512 BF16 (AMD Zen 4) a
+  step's linears at 16 rows took 15.0 ms against oneDNN's 19.6 on the development VM. Without
+  it (Intel Xeons before Cooper Lake) the kernel widens the bf16 values to float32 itself, as
+  oneDNN does there, and is about 4x faster than oneDNN at 16 rows (a 576 x 1,536 linear: 0.27
+  against 1.29 ms on a 2-core Xeon VM), because oneDNN's emulated path leaves most of the
+  arithmetic units idle at that size. oneDNN's sums are blocked along K in a way that depends on
+  the shape and the CPU, so a linear takes this path only when `onednn_block` finds the blocking
+  that gives oneDNN's bits exactly at 2 to 16 rows (with AVX-512 BF16: blocks of 512 up to K =
+  1,024, of 1,024 at K = 1,536 to 4,096; emulated: two halves of K at K = 576 and 1,536); the
+  others stay on oneDNN. A single row then takes the same order as a batch, which oneDNN's own
+  one-row path does not (it sums in other blocks).
 
 Keeping two copies doubles the weights' memory.
 """
@@ -35,7 +39,11 @@ from kernels import cpu_extension
 PACK_BATCH_HINT = 16  # oneDNN picks its blocking for about this many rows
 AMX_MAX_ROWS = 16  # one tile of rows: amx_linear's limit
 SMALL_MAX_ROWS = 16  # bf16_linear's limit: one accumulator register per row
-BLOCK_CANDIDATES = (512, 1024, 256, 2048)  # K values per block oneDNN might sum apart
+BLOCK_CANDIDATES = (512, 1024, 256, 2048, 768)  # K values per block oneDNN might sum apart
+
+
+def round_up(value: int, to: int) -> int:
+    return -(-value // to) * to
 
 
 def can_pack(dtype: torch.dtype, device: torch.device) -> bool:
@@ -56,7 +64,8 @@ def amx_kernels(dtype: torch.dtype) -> ModuleType | None:
 
 
 def bf16_kernels(dtype: torch.dtype) -> ModuleType | None:
-    """The C++ module when bf16 linears can run bf16_linear (AVX-512 BF16) here, else None."""
+    """The C++ module when bf16 linears can run bf16_linear (AVX-512, with or without BF16) here,
+    else None."""
     if dtype != torch.bfloat16:
         return None
     native = cpu_extension.load()
@@ -91,7 +100,8 @@ def onednn_block(native: ModuleType, n: int, k: int) -> int | None:
         x = x.bfloat16()
         cases.append((x, torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")))
     ours = native.bf16_pack_weight(weight)
-    for block in BLOCK_CANDIDATES:
+    # oneDNN's emulated bf16 path (no AVX-512 BF16) sums the two halves of a short K apart.
+    for block in (*BLOCK_CANDIDATES, round_up(k // 2, 2)):
         if all(torch.equal(native.bf16_linear(x, ours, n, block), want) for x, want in cases):
             return block
     return None

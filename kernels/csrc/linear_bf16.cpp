@@ -1,5 +1,6 @@
-// bf16 linear for decode-sized batches (up to 16 rows) on AVX-512 BF16 (CPUs without AMX, such as
-// AMD Zen 4).
+// bf16 linear for decode-sized batches (up to 16 rows) on AVX-512 CPUs without AMX: with AVX-512
+// BF16 (such as AMD Zen 4), or with plain AVX-512F, where the bf16 products are emulated in
+// float32 (Intel Xeons before Cooper Lake).
 //
 // A decode step multiplies a handful of rows by every weight of the model once. Here each weight
 // is read once per call: the packed weight is one sequential stream per 16 output columns (64
@@ -13,17 +14,28 @@
 // the block sums added in order, one rounding to bf16 at the end. oneDNN picks its block from the
 // shape; engine/packed_linear.py finds it by comparing the two on a random batch and uses this
 // kernel only where the bits agree.
+//
+// Without AVX-512 BF16, oneDNN widens each bf16 to float32 and adds the two products of a pair
+// into the sum one after the other, the second (odd) K value first. The emulated kernel does the
+// same: the product of two bf16 values is exact in float32, so each fused multiply-add rounds
+// once, as oneDNN's does. On such a CPU a decode step is bound by arithmetic, not by reading the
+// weights, so this kernel computes only the rows it is given (a template per row count) and
+// keeps every row's accumulator in a register.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
 #include "shared_queue.h"
 
 #include <cstring>
+#include <utility>
 #include <vector>
 
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
 #include <immintrin.h>
 #define TANDEM_HAS_AVX512_BF16 1
+#elif defined(__AVX512F__) && defined(__AVX512BW__)
+#include <immintrin.h>
+#define TANDEM_HAS_AVX512_EMULATED 1
 #endif
 
 namespace {
@@ -63,11 +75,64 @@ void group_kernel(const uint32_t* pairs /* [16][kp] */, int64_t kp, const uint32
 
 #endif  // TANDEM_HAS_AVX512_BF16
 
+#ifdef TANDEM_HAS_AVX512_EMULATED
+
+// One group of 16 columns for the first `Rows` rows, K pairs widened to float32: xs[r * 2 * kp +
+// 2 * p] is row r's odd K value of pair p, the next one its even K value.
+template <int Rows>
+void emulated_group_kernel(const float* xs, int64_t kp, const uint32_t* stream,
+                           int64_t block_pairs, float* sums) {
+  const __m512i high_half = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
+  for (int64_t p0 = 0; p0 < kp; p0 += block_pairs) {
+    const int64_t p1 = std::min(kp, p0 + block_pairs);
+    __m512 acc[Rows];
+    for (int r = 0; r < Rows; ++r) acc[r] = _mm512_setzero_ps();
+    for (int64_t p = p0; p < p1; ++p) {
+      _mm_prefetch(reinterpret_cast<const char*>(stream + (p + kPrefetchPairs) * kCols),
+                   _MM_HINT_T0);
+      const __m512i w = _mm512_loadu_si512(stream + p * kCols);
+      const __m512 odd = _mm512_castsi512_ps(_mm512_and_si512(w, high_half));
+      const __m512 even = _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
+      for (int r = 0; r < Rows; ++r) {
+        const float* x = xs + r * 2 * kp + 2 * p;
+        acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(x[0]), odd, acc[r]);
+        acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(x[1]), even, acc[r]);
+      }
+    }
+    for (int r = 0; r < Rows; ++r) {
+      float* sum = sums + r * kCols;
+      _mm512_storeu_ps(sum, p0 == 0 ? acc[r] : _mm512_add_ps(_mm512_loadu_ps(sum), acc[r]));
+    }
+  }
+}
+
+using EmulatedKernel = void (*)(const float*, int64_t, const uint32_t*, int64_t, float*);
+
+template <int... Rows>
+EmulatedKernel emulated_kernel_for(int64_t m, std::integer_sequence<int, Rows...>) {
+  EmulatedKernel kernels[] = {&emulated_group_kernel<Rows + 1>...};
+  return kernels[m - 1];
+}
+
+// float32 -> bf16, rounding to nearest even (a NaN stays a quiet NaN), as torch and oneDNN do.
+__m256i round_to_bf16(__m512 v) {
+  const __m512i bits = _mm512_castps_si512(v);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  __m512i rounded = _mm512_add_epi32(bits, _mm512_add_epi32(_mm512_set1_epi32(0x7FFF), lsb));
+  const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+  rounded = _mm512_mask_mov_epi32(rounded, nan, _mm512_or_si512(bits, _mm512_set1_epi32(0x400000)));
+  return _mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded, 16));
+}
+
+#endif  // TANDEM_HAS_AVX512_EMULATED
+
 }  // namespace
 
 bool bf16_linear_available() {
-#ifdef TANDEM_HAS_AVX512_BF16
+#if defined(TANDEM_HAS_AVX512_BF16)
   return __builtin_cpu_supports("avx512bf16");
+#elif defined(TANDEM_HAS_AVX512_EMULATED)
+  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw");
 #else
   return false;
 #endif
@@ -132,8 +197,40 @@ torch::Tensor bf16_linear(torch::Tensor x, torch::Tensor packed, int64_t n, int6
     }
   };
   tandem::parallel_chunks(groups, chunk, [] { return Sums(); }, work);
+#elif defined(TANDEM_HAS_AVX512_EMULATED)
+  TORCH_CHECK(bf16_linear_available(), "this CPU has no AVX-512F");
+  // Each row's K values widened to float32 once, in the order the kernel adds them.
+  std::vector<float> xs(m * kp * 2, 0.0f);
+  auto xc = x.contiguous();
+  const auto* xb = xc.data_ptr<at::BFloat16>();
+  for (int64_t r = 0; r < m; ++r) {
+    for (int64_t kk = 0; kk < k; ++kk) {
+      xs[r * kp * 2 + (kk ^ 1)] = static_cast<float>(xb[r * k + kk]);
+    }
+  }
+  const EmulatedKernel kernel =
+      emulated_kernel_for(m, std::make_integer_sequence<int, kRows>());
+  const auto* stream = reinterpret_cast<const uint32_t*>(packed.data_ptr<at::BFloat16>());
+  auto* o = out.data_ptr<at::BFloat16>();
+  const int64_t groups = n_padded / kCols;
+  const int64_t chunk = groups / (8 * at::get_num_threads());
+  struct Sums {
+    alignas(64) float values[kRows * kCols];
+  };
+  auto work = [&](Sums& state, int64_t begin, int64_t end) {
+    float* sums = state.values;
+    for (int64_t g = begin; g < end; ++g) {
+      kernel(xs.data(), kp, stream + g * kp * kCols, block / 2, sums);
+      const int64_t col0 = g * kCols, cols = std::min(kCols, n - col0);
+      const __mmask16 mask = static_cast<__mmask16>((1u << cols) - 1);
+      for (int64_t r = 0; r < m; ++r) {
+        _mm256_mask_storeu_epi16(o + r * n + col0, mask, round_to_bf16(_mm512_load_ps(sums + r * kCols)));
+      }
+    }
+  };
+  tandem::parallel_chunks(groups, chunk, [] { return Sums(); }, work);
 #else
-  TORCH_CHECK(false, "built without AVX-512 BF16 support");
+  TORCH_CHECK(false, "built without AVX-512 support");
 #endif
   return out;
 }

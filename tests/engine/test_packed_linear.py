@@ -1,4 +1,4 @@
-"""Packed CPU linears: the AMX and AVX-512 BF16 decode paths give the same bits as oneDNN and as
+"""Packed CPU linears: the AMX and AVX-512 decode paths give the same bits as oneDNN and as
 F.linear."""
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from engine.packed_linear import (
 amx = amx_kernels(torch.bfloat16)
 needs_amx = pytest.mark.skipif(amx is None, reason="no AMX bf16 tile unit (or no C++ build) here")
 bf16 = bf16_kernels(torch.bfloat16)
-needs_bf16 = pytest.mark.skipif(bf16 is None, reason="no AVX-512 BF16 (or no C++ build) here")
+needs_bf16 = pytest.mark.skipif(bf16 is None, reason="no AVX-512 (or no C++ build) here")
 # SmolLM2's shapes (fused qkv, o, fused gate/up, down, a slice of the vocabulary) and ragged edges:
 # N not a multiple of 16 or of 64, K not a multiple of 32.
 SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536), (4096, 576), (100, 70), (33, 64)]
@@ -88,8 +88,9 @@ def test_larger_batches_take_onednn_and_match_f_linear() -> None:
 def test_bf16_linear_is_bit_identical_to_onednn_where_it_is_used(n: int, k: int) -> None:
     layer = linear(n, k, bias=False, seed=n + k)
     packed = PackedLinear(layer, None, bf16)
-    # On the development VM (AMD Zen 4): blocks of 512 up to K = 1,024, of 1,024 at K = 1,536.
-    # Elsewhere oneDNN may sum in an order bf16_linear does not reproduce: then oneDNN it is.
+    # On an AMD Zen 4 VM: blocks of 512 up to K = 1,024, of 1,024 at K = 1,536; emulated on an
+    # AVX-512F Xeon: K in two halves. Where oneDNN sums in an order bf16_linear does not
+    # reproduce, oneDNN it is.
     assert (packed.bf16 is not None) == (onednn_block(bf16, n, k) is not None)
     onednn = PackedLinear(layer, None, None)
     gen = torch.Generator().manual_seed(1)
@@ -98,7 +99,10 @@ def test_bf16_linear_is_bit_identical_to_onednn_where_it_is_used(n: int, k: int)
         got = packed(x)
         assert got.shape == (rows, n)
         assert torch.equal(got, onednn(x))
-        assert torch.equal(got, F.linear(x, layer.weight))
+        # F.linear is oneDNN's matmul, not its inner product: on AVX-512 without BF16 the two
+        # differ in the last bit of one output in a few thousand, whoever runs the decode rows.
+        want = F.linear(x, layer.weight).float()
+        assert ((got.float() - want).abs() <= want.abs() * 2**-7).all()
         # one row alone: the bits it gets in a batch (oneDNN's own one-row path may differ)
         assert torch.equal(packed(x[1:2]), got[1:2])
 
