@@ -21,7 +21,10 @@ step streams every weight once, so that doubles its memory traffic. The packings
   that gives oneDNN's bits exactly at 2 to 16 rows (with AVX-512 BF16: blocks of 512 up to K =
   1,024, of 1,024 at K = 1,536 to 4,096; emulated: two halves of K at K = 576 and 1,536); the
   others stay on oneDNN. A single row then takes the same order as a batch, which oneDNN's own
-  one-row path does not (it sums in other blocks).
+  one-row path does not (it sums in other blocks). Emulated, oneDNN sums the same way at every
+  row count, and its emulated path is as slow at prefill sizes (~40 GFLOPS on two cores at 256
+  rows, against ~95 for this kernel), so there the kernel takes every batch, prefill chunks
+  included, 16 rows at a time over each group of weights while it is in cache.
 
 Keeping two copies doubles the weights' memory.
 """
@@ -93,7 +96,10 @@ def onednn_block(native: ModuleType, n: int, k: int) -> int | None:
     # Not one row: oneDNN sums a single row in other blocks than 2 or more (K >= 1,536 on the
     # development VM: 512 against 1,024), so its rows depend on their batch there. Every row
     # here takes the batched order, whatever the batch.
-    for rows, cancel in ((SMALL_MAX_ROWS, True), (2, True), (SMALL_MAX_ROWS, False)):
+    shapes = [(SMALL_MAX_ROWS, True), (2, True), (SMALL_MAX_ROWS, False)]
+    if native.bf16_linear_max_rows() > SMALL_MAX_ROWS:  # prefill chunks too: 16-row tiles
+        shapes.append((2 * SMALL_MAX_ROWS + 7, True))
+    for rows, cancel in shapes:
         x = heavy(rows, k)
         if cancel:
             x[:, half : 2 * half] = x[:, :half]
@@ -120,17 +126,18 @@ class PackedLinear(nn.Module):
         self.amx_packed = amx.amx_pack_weight(weight) if amx is not None else None
         # The AMX kernel adds the bias in float32, before its one rounding to bf16.
         self.amx_bias = self.bias.float() if self.bias is not None else None
-        self.bf16, self.bf16_packed, self.block = None, None, 0
+        self.bf16, self.bf16_packed, self.block, self.bf16_rows = None, None, 0, 0
         if amx is None and bf16 is not None and self.bias is None:
             block = onednn_block(bf16, self.out_features, self.in_features)
             if block is not None:
                 self.bf16, self.block = bf16, block
                 self.bf16_packed = bf16.bf16_pack_weight(weight)
+                self.bf16_rows = bf16.bf16_linear_max_rows()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [N, in_features]
         if self.amx is not None and x.shape[0] <= AMX_MAX_ROWS:
             return self.amx.amx_linear(x, self.amx_packed, self.out_features, self.amx_bias)
-        if self.bf16 is not None and x.shape[0] <= SMALL_MAX_ROWS:
+        if self.bf16 is not None and x.shape[0] <= self.bf16_rows:
             return self.bf16.bf16_linear(x, self.bf16_packed, self.out_features, self.block)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
 

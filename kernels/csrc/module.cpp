@@ -16,6 +16,7 @@ torch::Tensor amx_pack_weight(torch::Tensor weight);
 torch::Tensor amx_linear(torch::Tensor x, torch::Tensor packed, int64_t n,
                          c10::optional<torch::Tensor> bias);
 bool bf16_linear_available();
+int64_t bf16_linear_max_rows();
 torch::Tensor bf16_pack_weight(torch::Tensor weight);
 torch::Tensor bf16_linear(torch::Tensor x, torch::Tensor packed, int64_t n, int64_t block);
 torch::Tensor argmax_rows(torch::Tensor logits);
@@ -43,9 +44,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("amx_linear", &amx_linear, "x [<=16, K] bf16 times a packed weight, on AMX tiles",
         no_gil());
   m.def("bf16_linear_available", &bf16_linear_available,
-        "whether this CPU (and build) has AVX-512 BF16 for bf16_linear");
+        "whether this CPU (and build) has AVX-512 (with BF16 or without) for bf16_linear");
+  m.def("bf16_linear_max_rows", &bf16_linear_max_rows,
+        "the most rows bf16_linear takes (16 with AVX-512 BF16; any, emulated)");
   m.def("bf16_pack_weight", &bf16_pack_weight, "a bf16 [N, K] weight in bf16_linear's layout");
-  m.def("bf16_linear", &bf16_linear, "x [<=16, K] bf16 times a packed weight, AVX-512 BF16",
+  m.def("bf16_linear", &bf16_linear, "x [M, K] bf16 times a packed weight, on AVX-512",
         no_gil());
   m.def("argmax_rows", &argmax_rows, "the first index of each row's maximum (NaN ranks top)");
 }
