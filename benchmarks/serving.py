@@ -74,7 +74,7 @@ sys.path.insert(0, str(ROOT))
 
 from cli.defaults import default_of  # noqa: E402
 from cli.serve import parse_size  # noqa: E402
-from engine.config import EngineConfig  # noqa: E402
+from engine.config import EngineConfig, default_batched_tokens  # noqa: E402
 from loadtest import event_loop  # noqa: E402
 from loadtest.client import (  # noqa: E402
     RequestResult,
@@ -944,7 +944,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-num-batched-tokens", type=int, metavar="N",
                    default=default_of(EngineConfig, "max_num_batched_tokens"),
                    help="token budget of every engine's step, in-process and served "
-                        "(default: EngineConfig's)")  # fmt: skip
+                        "(default: EngineConfig's for the device)")  # fmt: skip
     p.add_argument("--request-timeout", type=float, default=300.0, help="seconds per request")
     p.add_argument("--engine-threads", type=int, metavar="N",
                    help="torch threads of every engine, in-process and served (default: the "
@@ -971,6 +971,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         p.error("--concurrency, --rounds and --num-prompts must be at least 1")
     if args.engine_threads is not None and args.engine_threads < 1:
         p.error("--engine-threads must be at least 1")
+    if args.max_num_batched_tokens is None:
+        args.max_num_batched_tokens = default_batched_tokens(device(args))
     if args.max_num_batched_tokens < 1:
         p.error("--max-num-batched-tokens must be at least 1")
     return args

@@ -69,6 +69,9 @@ from simulation.report import simulated_record  # noqa: E402
 from simulation.workload import from_samples  # noqa: E402
 
 START_TIMEOUT_S = 600.0
+# Served and simulated alike (the fidelity numbers in docs/architecture.md were measured with it,
+# before tandem serve's CPU default became 256).
+STEP_TOKENS = 2048
 LAYOUTS = {"colocated": (0, 1), "1P1D": (1, 1), "2P1D": (2, 1), "1P2D": (1, 2)}
 MIXES = {  # name: (dataset flags, spec)
     "short": (
@@ -483,7 +486,8 @@ def run_layout(model: Path, layout: str, args: argparse.Namespace, work: Path) -
     prefill, decode = LAYOUTS[layout]
     mode = "colocated" if prefill == 0 else "disaggregated"
     serve = ["--model", str(model), "--mode", mode, "--prefill-workers", str(prefill),
-             "--decode-workers", str(decode), "--log-level", "warning"]  # fmt: skip
+             "--decode-workers", str(decode), "--log-level", "warning",
+             "--max-num-batched-tokens", str(STEP_TOKENS)]  # fmt: skip
     tokenizer = LocalTokenizer(model)
     rows = []
     with ServeProcess(serve, work / f"{layout}.log") as server:
@@ -566,7 +570,7 @@ def simulate(
         Deployment(
             prefill,
             decode,
-            EngineLimits(args.num_kv_blocks),
+            EngineLimits(args.num_kv_blocks, max_num_batched_tokens=STEP_TOKENS),
             prefill_interference=simulated(cal.prefill_interference, args.interference),
             decode_interference=simulated(cal.decode_interference, args.interference),
             paced_cores=max(cal.by_threads) if cal.by_threads else None,

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 from cli.defaults import default_of
 from cli.errors import CliError
 from coordinator.router import POLICIES, RouteCosts
-from engine.config import EngineConfig
+from engine.config import EngineConfig, default_batched_tokens
 from loadtest.cli import DefaultsFormatter, config_from_args
 from loadtest.cli_flags import add_bench_flags
 from planning.model_file import PROFILE_FILE
@@ -81,7 +81,8 @@ def add_deployment_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--max-num-batched-tokens",
         type=int,
-        default=default_of(EngineConfig, "max_num_batched_tokens"),
+        help="tokens per engine step (default: tandem serve's on the profile's device: 2048 on "
+        "a GPU, 256 on a CPU)",
     )
     g.add_argument("--no-prefix-caching", action="store_true")
     g.add_argument(
@@ -210,6 +211,9 @@ def scenario_from_args(args: argparse.Namespace) -> Scenario:
         raise CliError(str(err)) from None
     kv, num_blocks = _kv_size(args)
     colocated = args.mode == "colocated"
+    budget = args.max_num_batched_tokens
+    if budget is None:  # tandem serve's on the device the profile was measured on
+        budget = default_batched_tokens(step.info.device or "cuda")
     try:
         deployment = Deployment(
             0 if colocated else args.prefill_workers,
@@ -218,7 +222,7 @@ def scenario_from_args(args: argparse.Namespace) -> Scenario:
                 num_blocks,
                 args.block_size,
                 args.max_num_seqs,
-                args.max_num_batched_tokens,
+                budget,
                 not args.no_prefix_caching,
                 args.decode_headroom_tokens,
             ),

@@ -107,6 +107,19 @@ class ModelConfig:
         )
 
 
+# Tokens per engine step when none is given. A step holding a prefill chunk holds up every
+# decode in it, so the chunk is sized for the device: on a GPU 2,048 prompt tokens take tens of
+# milliseconds; on a CPU they take seconds (2-7 s on the 2-core VMs), and 256 kept more streams
+# decoding (SmolLM2 @16 on a 2-core AVX-512 VM: 216 against 150 output tok/s in-process, TTFT p50
+# 1.1 against 4.5 s; docs/performance.md, "Prefill chunks sized for the CPU").
+DEFAULT_BATCHED_TOKENS = {"cuda": 2048, "cpu": 256}
+
+
+def default_batched_tokens(device: str) -> int:
+    """The token budget of a step on `device` ("cpu", "cuda", "cuda:1") when none is given."""
+    return DEFAULT_BATCHED_TOKENS.get(device.split(":")[0], DEFAULT_BATCHED_TOKENS["cuda"])
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """How one engine instance runs a model.
@@ -121,7 +134,7 @@ class EngineConfig:
     kv_cache_memory_bytes: int = 1 << 30
     num_kv_blocks: int | None = None
     max_num_seqs: int = 64
-    max_num_batched_tokens: int = 2048
+    max_num_batched_tokens: int | None = None  # None: default_batched_tokens(device)
     max_model_len: int | None = None
     enable_prefix_caching: bool = True
     # A decode worker admits transferred KV only while every request it holds keeps room for
@@ -138,6 +151,9 @@ class EngineConfig:
     rank_timeout: float = 120.0  # seconds ranks may take to start, or to meet in a collective
 
     def __post_init__(self) -> None:
+        # ("auto": settled once the cluster's devices are known, by a replace(device=...))
+        if self.max_num_batched_tokens is None and self.device != "auto":
+            object.__setattr__(self, "max_num_batched_tokens", default_batched_tokens(self.device))
         if self.dtype not in ("bfloat16", "float16", "float32"):
             raise ConfigError(f"dtype must be bfloat16, float16 or float32, not {self.dtype!r}")
         for name in (
@@ -146,7 +162,8 @@ class EngineConfig:
             "max_num_batched_tokens",
             "tensor_parallel_size",
         ):
-            if getattr(self, name) < 1:
+            value = getattr(self, name)  # (a budget still None waits for the device)
+            if value is not None and value < 1:
                 raise ConfigError(f"{name} must be at least 1")
         if self.decode_headroom_tokens < 0:
             raise ConfigError("decode_headroom_tokens must be at least 0")

@@ -149,7 +149,7 @@ def test_flags() -> None:
     assert serving.engine_config(Path("m"), budget).max_num_batched_tokens == 512
     flags = serving.serve_args(Path("m"), "colocated", budget)
     assert flags[flags.index("--max-num-batched-tokens") + 1] == "512"
-    assert full.max_num_batched_tokens == 2048
+    assert full.max_num_batched_tokens == 256  # EngineConfig's on a CPU
     with pytest.raises(SystemExit):
         serving.parse_args(["--max-num-batched-tokens", "0"])
     # The engines' device, resolved as tandem serve resolves it, and passed on to it.
