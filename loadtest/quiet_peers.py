@@ -13,6 +13,7 @@ with a warning.
 from __future__ import annotations
 
 import contextlib
+import ipaddress
 import os
 import signal
 import sys
@@ -23,16 +24,29 @@ LISTEN = "0A"  # the TCP state in /proc/net/tcp
 
 
 def listening_inodes(port: int, proc: Path = Path("/proc")) -> set[str]:
-    """Socket inodes listening on `port` (any address), from /proc/net/tcp and tcp6."""
+    """Socket inodes listening on `port` where a loopback client reaches them (a loopback or a
+    wildcard address), from /proc/net/tcp and tcp6. Peers are local; a socket on the same port
+    of another address (a Ray worker on the node's IP, say) is someone else's."""
     inodes = set()
     for table in ("tcp", "tcp6"):
         with contextlib.suppress(OSError):
             for line in (proc / "net" / table).read_text().splitlines()[1:]:
                 fields = line.split()
                 local, state, inode = fields[1], fields[3], fields[9]
-                if state == LISTEN and int(local.rsplit(":", 1)[1], 16) == port:
+                address, _, port_hex = local.rpartition(":")
+                if state == LISTEN and int(port_hex, 16) == port and _reached_locally(address):
                     inodes.add(inode)
     return inodes
+
+
+def _reached_locally(address: str) -> bool:
+    """`address` as /proc/net/tcp(6) writes it (hex, each 32-bit word in host order, which is
+    little-endian here) is a loopback or a wildcard address."""
+    raw = b"".join(bytes.fromhex(address[i : i + 8])[::-1] for i in range(0, len(address), 8))
+    ip = ipaddress.ip_address(raw)
+    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+        ip = ip.ipv4_mapped
+    return ip.is_loopback or ip.is_unspecified
 
 
 def listening_pid(port: int, proc: Path = Path("/proc")) -> int | None:

@@ -127,6 +127,31 @@ __m256i round_to_bf16(__m512 v) {
 
 #endif  // TANDEM_HAS_AVX512_EMULATED
 
+#if defined(TANDEM_HAS_AVX512_BF16) || defined(TANDEM_HAS_AVX512_EMULATED)
+
+// Calls work(sums, g, col0, mask) for every group g of 16 output columns of an [M, n] output, on
+// all threads; `sums` is the calling thread's [16 rows][16 columns] float32 scratch, col0 the
+// group's first column and mask its columns that exist (the last group may be partial). About 8
+// chunks per thread: small enough to even out a preempted thread, large enough that the shared
+// counter is touched rarely.
+template <typename Work>
+void for_each_group(int64_t n, Work work) {
+  struct Sums {
+    alignas(64) float values[kRows * kCols];
+  };
+  const int64_t groups = round_up(n, kCols) / kCols;
+  const int64_t chunk = groups / (8 * at::get_num_threads());
+  auto run = [&](Sums& state, int64_t begin, int64_t end) {
+    for (int64_t g = begin; g < end; ++g) {
+      const int64_t col0 = g * kCols, cols = std::min(kCols, n - col0);
+      work(state.values, g, col0, static_cast<__mmask16>((1u << cols) - 1));
+    }
+  };
+  tandem::parallel_chunks(groups, chunk, [] { return Sums(); }, run);
+}
+
+#endif
+
 }  // namespace
 
 bool bf16_linear_available() {
@@ -169,7 +194,8 @@ torch::Tensor bf16_pack_weight(torch::Tensor weight) {
   return packed;
 }
 
-// x [M, K] bf16 (M <= bf16_linear_max_rows()) times a packed [N, K] weight, K summed in blocks of `block` values.
+// x [M, K] bf16 (M <= bf16_linear_max_rows()) times a packed [N, K] weight, K summed in blocks
+// of `block` values.
 torch::Tensor bf16_linear(torch::Tensor x, torch::Tensor packed, int64_t n, int64_t block) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16, "bf16 [M, K] input");
   const int64_t m = x.size(0), k = x.size(1);
@@ -181,6 +207,10 @@ torch::Tensor bf16_linear(torch::Tensor x, torch::Tensor packed, int64_t n, int6
               "]");
   auto out = torch::empty({m, n}, x.options());
   if (m == 0) return out;
+#if defined(TANDEM_HAS_AVX512_BF16) || defined(TANDEM_HAS_AVX512_EMULATED)
+  const auto* stream = reinterpret_cast<const uint32_t*>(packed.data_ptr<at::BFloat16>());
+  auto* o = out.data_ptr<at::BFloat16>();
+#endif
 #ifdef TANDEM_HAS_AVX512_BF16
   TORCH_CHECK(bf16_linear_available(), "this CPU has no AVX-512 BF16");
   // Rows padded to 16 (zeros) and K to even, as pairs: every group reads the same small copy.
@@ -188,28 +218,13 @@ torch::Tensor bf16_linear(torch::Tensor x, torch::Tensor packed, int64_t n, int6
   auto xc = x.contiguous();
   for (int64_t r = 0; r < m; ++r)
     std::memcpy(pairs.data() + r * kp, xc.data_ptr<at::BFloat16>() + r * k, k * 2);
-  const auto* stream = reinterpret_cast<const uint32_t*>(packed.data_ptr<at::BFloat16>());
-  auto* o = out.data_ptr<at::BFloat16>();
-  const int64_t groups = n_padded / kCols;
-  // About 8 chunks per thread: small enough to even out a preempted thread, large enough that
-  // the shared counter is touched rarely.
-  const int64_t chunk = groups / (8 * at::get_num_threads());
-  struct Sums {
-    alignas(64) float values[kRows * kCols];
-  };
-  auto work = [&](Sums& state, int64_t begin, int64_t end) {
-    float* sums = state.values;
-    for (int64_t g = begin; g < end; ++g) {
-      group_kernel(pairs.data(), kp, stream + g * kp * kCols, block / 2, sums);
-      const int64_t col0 = g * kCols, cols = std::min(kCols, n - col0);
-      const __mmask16 mask = static_cast<__mmask16>((1u << cols) - 1);
-      for (int64_t r = 0; r < m; ++r) {
-        const __m256i bf = (__m256i)_mm512_cvtneps_pbh(_mm512_load_ps(sums + r * kCols));
-        _mm256_mask_storeu_epi16(o + r * n + col0, mask, bf);
-      }
+  for_each_group(n, [&](float* sums, int64_t g, int64_t col0, __mmask16 mask) {
+    group_kernel(pairs.data(), kp, stream + g * kp * kCols, block / 2, sums);
+    for (int64_t r = 0; r < m; ++r) {
+      const __m256i bf = (__m256i)_mm512_cvtneps_pbh(_mm512_load_ps(sums + r * kCols));
+      _mm256_mask_storeu_epi16(o + r * n + col0, mask, bf);
     }
-  };
-  tandem::parallel_chunks(groups, chunk, [] { return Sums(); }, work);
+  });
 #elif defined(TANDEM_HAS_AVX512_EMULATED)
   TORCH_CHECK(bf16_linear_available(), "this CPU has no AVX-512F");
   // Each row's K values widened to float32 once, in the order the kernel adds them: per pair,
@@ -232,31 +247,18 @@ torch::Tensor bf16_linear(torch::Tensor x, torch::Tensor packed, int64_t n, int6
   EmulatedKernel kernels[kRows];
   for (int64_t rows = 1; rows <= kRows; ++rows)
     kernels[rows - 1] = emulated_kernel_for(rows, std::make_integer_sequence<int, kRows>());
-  const auto* stream = reinterpret_cast<const uint32_t*>(packed.data_ptr<at::BFloat16>());
-  auto* o = out.data_ptr<at::BFloat16>();
-  const int64_t groups = n_padded / kCols;
-  const int64_t chunk = groups / (8 * at::get_num_threads());
-  struct Sums {
-    alignas(64) float values[kRows * kCols];
-  };
   // A group's weights (18 KB at K = 576) stay in cache while every 16 rows of x pass over them:
   // the weights are read from memory once per call, whatever the rows.
-  auto work = [&](Sums& state, int64_t begin, int64_t end) {
-    float* sums = state.values;
-    for (int64_t g = begin; g < end; ++g) {
-      const int64_t col0 = g * kCols, cols = std::min(kCols, n - col0);
-      const __mmask16 mask = static_cast<__mmask16>((1u << cols) - 1);
-      for (int64_t r0 = 0; r0 < m; r0 += kRows) {
-        const int64_t rows = std::min(kRows, m - r0);
-        kernels[rows - 1](xs.data() + r0 * kp * 2, kp, stream + g * kp * kCols, block / 2, sums);
-        for (int64_t r = 0; r < rows; ++r) {
-          _mm256_mask_storeu_epi16(o + (r0 + r) * n + col0, mask,
-                                   round_to_bf16(_mm512_load_ps(sums + r * kCols)));
-        }
+  for_each_group(n, [&](float* sums, int64_t g, int64_t col0, __mmask16 mask) {
+    for (int64_t r0 = 0; r0 < m; r0 += kRows) {
+      const int64_t rows = std::min(kRows, m - r0);
+      kernels[rows - 1](xs.data() + r0 * kp * 2, kp, stream + g * kp * kCols, block / 2, sums);
+      for (int64_t r = 0; r < rows; ++r) {
+        _mm256_mask_storeu_epi16(o + (r0 + r) * n + col0, mask,
+                                 round_to_bf16(_mm512_load_ps(sums + r * kCols)));
       }
     }
-  };
-  tandem::parallel_chunks(groups, chunk, [] { return Sums(); }, work);
+  });
 #else
   TORCH_CHECK(false, "built without AVX-512 support");
 #endif

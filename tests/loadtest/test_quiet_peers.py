@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from loadtest.quiet_peers import QuietPeers, listening_pid
+from loadtest.quiet_peers import QuietPeers, listening_inodes, listening_pid
 
 LISTENER = """
 import socket, sys, time
@@ -100,3 +100,30 @@ def test_disabled_leaves_peers_alone(peer) -> None:
         assert quiet.groups == {}
         time.sleep(0.05)
         assert state(pid) == "S"
+
+
+def test_only_a_listener_a_loopback_client_reaches_counts(tmp_path) -> None:
+    """A socket on the peer's port of another address (a Ray worker on the node's IP, say) is
+    not the peer."""
+    (tmp_path / "net").mkdir()
+    header = "  sl  local_address rem_address   st tx_queue rx_queue tr tm->when retrnsmt   uid  timeout inode\n"  # noqa: E501
+
+    def row(local: str, state: str, inode: int) -> str:
+        return f"   0: {local} 00000000:0000 {state} 00000000:00000000 00:00000000 00000000  0  0 {inode}\n"  # noqa: E501
+
+    (tmp_path / "net" / "tcp").write_text(
+        header
+        + row("0500000A:1F90", "0A", 11)  # 10.0.0.5:8080, listening: another address
+        + row("0100007F:1F90", "0A", 12)  # 127.0.0.1:8080, listening
+        + row("00000000:1F90", "0A", 13)  # 0.0.0.0:8080, listening
+        + row("0100007F:1F91", "0A", 14)  # another port
+        + row("0100007F:1F90", "01", 15)  # established, not listening
+    )
+    (tmp_path / "net" / "tcp6").write_text(
+        header
+        + row("00000000000000000000000001000000:1F90", "0A", 21)  # [::1]:8080
+        + row("0000000000000000FFFF00000100007F:1F90", "0A", 22)  # [::ffff:127.0.0.1]:8080
+        + row("00000000000000000000000000000000:1F90", "0A", 23)  # [::]:8080
+        + row("B80D0120000000000000000001000000:1F90", "0A", 24)  # [2001:db8::1]:8080
+    )
+    assert listening_inodes(8080, tmp_path) == {"12", "13", "21", "22", "23"}
