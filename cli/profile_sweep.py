@@ -82,6 +82,8 @@ class StepSweep(NamedTuple):
 
 BATCHES = (64, 48, 32, 24, 16, 12, 8, 4, 2, 1)
 HELDOUT_BATCHES = (56, 40, 20, 14, 6, 3)
+SWEEP_BUDGET = 2048  # tokens a sweep step may hold: the largest chunk below
+
 FULL = SweepPlan(
     ladders=(
         (Ladder(32, BATCHES, HELDOUT_BATCHES, (64, 512), (32, 16, 8)), False),
@@ -278,13 +280,16 @@ def measure_steps(folder: Path, settings: SweepSettings, log: Callable[[str], No
 
     if settings.threads is not None:
         use_threads(settings.threads)
-    # One sequence more than the largest batch: a mixed step's prompt joins a full rung.
+    # One sequence more than the largest batch: a mixed step's prompt joins a full rung. The
+    # budget fits the sweep's largest chunk, whatever a server on this device takes by default:
+    # the cost model must price any budget the deployment is given.
     llm = LLM(
         folder,
         dtype=settings.dtype,
         device=settings.device,
         tensor_parallel_size=settings.tensor_parallel,
         max_num_seqs=settings.max_batch + 1,
+        max_num_batched_tokens=SWEEP_BUDGET,
         enable_prefix_caching=True,
     )
     try:

@@ -126,6 +126,10 @@ def build_client(engine: EngineConfig, deploy: DeployConfig) -> Coordinator:
     engine = replace(engine, device=cluster_device(engine.device, deploy.address))
     if planner is not None:
         check_planner_profile(planner.model.model, engine.device, deploy, model.path)
+        # The step budget the workers take, known once the device is (--device auto).
+        planner.planner.config = replace(
+            planner.planner.config, max_num_batched_tokens=engine.max_num_batched_tokens
+        )
     spawner = WorkerSpawner(engine, deploy)
     for pool in spawner.pools():  # before any worker starts: a clear error, not a dead actor
         check_splits(model, spawner.tensor_parallel(pool))
@@ -259,6 +263,7 @@ def planner_setup(
         itl_slo_s=targets.itl_s,
         max_workers=max_workers,
         max_num_seqs=engine.max_num_seqs,
+        # (None until build_client settles --device auto, and sets it there)
         max_num_batched_tokens=engine.max_num_batched_tokens,
         lead_s=PLANNER_LEAD_S,
         decode_headroom_tokens=engine.decode_headroom_tokens,

@@ -152,8 +152,11 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         # ("auto": settled once the cluster's devices are known, by a replace(device=...))
+        # At least one token for each running sequence, or the first ones would wait (vLLM asks
+        # for as much).
         if self.max_num_batched_tokens is None and self.device != "auto":
-            object.__setattr__(self, "max_num_batched_tokens", default_batched_tokens(self.device))
+            budget = max(default_batched_tokens(self.device), self.max_num_seqs)
+            object.__setattr__(self, "max_num_batched_tokens", budget)
         if self.dtype not in ("bfloat16", "float16", "float32"):
             raise ConfigError(f"dtype must be bfloat16, float16 or float32, not {self.dtype!r}")
         for name in (

@@ -41,7 +41,8 @@ from kernels import cpu_extension
 
 PACK_BATCH_HINT = 16  # oneDNN picks its blocking for about this many rows
 AMX_MAX_ROWS = 16  # one tile of rows: amx_linear's limit
-SMALL_MAX_ROWS = 16  # bf16_linear's limit: one accumulator register per row
+SMALL_MAX_ROWS = 16  # bf16_linear's tile: one accumulator register per row (and its limit with
+# AVX-512 BF16; emulated, it takes any rows, 16 at a time)
 BLOCK_CANDIDATES = (512, 1024, 256, 2048, 768)  # K values per block oneDNN might sum apart
 
 
@@ -97,8 +98,8 @@ def onednn_block(native: ModuleType, n: int, k: int) -> int | None:
     # development VM: 512 against 1,024), so its rows depend on their batch there. Every row
     # here takes the batched order, whatever the batch.
     shapes = [(SMALL_MAX_ROWS, True), (2, True), (SMALL_MAX_ROWS, False)]
-    if native.bf16_linear_max_rows() > SMALL_MAX_ROWS:  # prefill chunks too: 16-row tiles
-        shapes.append((2 * SMALL_MAX_ROWS + 7, True))
+    if native.bf16_linear_max_rows() > SMALL_MAX_ROWS:  # prefill chunks too: 16-row tiles, and
+        shapes += [(2 * SMALL_MAX_ROWS + 7, True), (256, True)]  # a CPU's default step budget
     for rows, cancel in shapes:
         x = heavy(rows, k)
         if cancel:
@@ -107,7 +108,7 @@ def onednn_block(native: ModuleType, n: int, k: int) -> int | None:
         cases.append((x, torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")))
     ours = native.bf16_pack_weight(weight)
     # oneDNN's emulated bf16 path (no AVX-512 BF16) sums the two halves of a short K apart.
-    for block in (*BLOCK_CANDIDATES, round_up(k // 2, 2)):
+    for block in (*BLOCK_CANDIDATES, max(2, round_up(k // 2, 2))):
         if all(torch.equal(native.bf16_linear(x, ours, n, block), want) for x, want in cases):
             return block
     return None

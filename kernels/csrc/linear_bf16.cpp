@@ -1,6 +1,6 @@
-// bf16 linear for decode-sized batches (up to 16 rows) on AVX-512 CPUs without AMX: with AVX-512
-// BF16 (such as AMD Zen 4), or with plain AVX-512F, where the bf16 products are emulated in
-// float32 (Intel Xeons before Cooper Lake).
+// bf16 linear on AVX-512 CPUs without AMX: with AVX-512 BF16 (such as AMD Zen 4) for decode-sized
+// batches (up to 16 rows), or without it, where the bf16 products are emulated in float32 (Intel
+// Xeons before Cooper Lake), for any batch.
 //
 // A decode step multiplies a handful of rows by every weight of the model once. Here each weight
 // is read once per call: the packed weight is one sequential stream per 16 output columns (64
@@ -34,7 +34,7 @@
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
 #include <immintrin.h>
 #define TANDEM_HAS_AVX512_BF16 1
-#elif defined(__AVX512F__) && defined(__AVX512BW__)
+#elif defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #include <immintrin.h>
 #define TANDEM_HAS_AVX512_EMULATED 1
 #endif
@@ -115,7 +115,8 @@ EmulatedKernel emulated_kernel_for(int64_t m, std::integer_sequence<int, Rows...
   return kernels[m - 1];
 }
 
-// float32 -> bf16, rounding to nearest even (a NaN stays a quiet NaN), as torch and oneDNN do.
+// float32 -> bf16, rounding to nearest even as torch and oneDNN do; a NaN stays a quiet NaN with
+// its sign and top payload bits (as vcvtneps2bf16 keeps them; torch writes 0x7FC0).
 __m256i round_to_bf16(__m512 v) {
   const __m512i bits = _mm512_castps_si512(v);
   const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
@@ -158,7 +159,8 @@ bool bf16_linear_available() {
 #if defined(TANDEM_HAS_AVX512_BF16)
   return __builtin_cpu_supports("avx512bf16");
 #elif defined(TANDEM_HAS_AVX512_EMULATED)
-  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw");
+  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+         __builtin_cpu_supports("avx512vl");
 #else
   return false;
 #endif
@@ -226,7 +228,7 @@ torch::Tensor bf16_linear(torch::Tensor x, torch::Tensor packed, int64_t n, int6
     }
   });
 #elif defined(TANDEM_HAS_AVX512_EMULATED)
-  TORCH_CHECK(bf16_linear_available(), "this CPU has no AVX-512F");
+  TORCH_CHECK(bf16_linear_available(), "this CPU has no AVX-512 F, BW and VL");
   // Each row's K values widened to float32 once, in the order the kernel adds them: per pair,
   // the odd K value (the pair's high half) and then the even one.
   std::vector<float> xs(m * kp * 2, 0.0f);
@@ -235,13 +237,11 @@ torch::Tensor bf16_linear(torch::Tensor x, torch::Tensor packed, int64_t n, int6
   at::parallel_for(0, m, kRows, [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) {
       const uint16_t* row = xb + r * k;
-      auto* out = reinterpret_cast<uint64_t*>(xs.data() + r * kp * 2);
-      for (int64_t p = 0; p < k / 2; ++p) {
-        const uint64_t pair = static_cast<uint64_t>(row[2 * p]) |
-                              static_cast<uint64_t>(row[2 * p + 1]) << 16;
-        out[p] = (pair & 0xFFFF0000ull) | (pair & 0xFFFFull) << 48;
+      float* widened = xs.data() + r * kp * 2;
+      for (int64_t kk = 0; kk < k; ++kk) {  // a bf16 is the top half of its float32
+        const uint32_t bits = static_cast<uint32_t>(row[kk]) << 16;
+        std::memcpy(widened + (kk ^ 1), &bits, sizeof(bits));
       }
-      if (k % 2) out[kp - 1] = static_cast<uint64_t>(row[k - 1]) << 48;
     }
   });
   EmulatedKernel kernels[kRows];

@@ -16,6 +16,8 @@ def test_step_budget_follows_the_device_unless_given() -> None:
     assert (
         EngineConfig("m", device="cpu", max_num_batched_tokens=4096).max_num_batched_tokens == 4096
     )
+    # never fewer than the running sequences, each of which takes a token a step
+    assert EngineConfig("m", device="cpu", max_num_seqs=512).max_num_batched_tokens == 512
     # tandem serve's "auto" waits for the cluster's device, then takes its budget
     auto = EngineConfig("m", device="auto")
     assert auto.max_num_batched_tokens is None
