@@ -82,7 +82,7 @@ def add_deployment_flags(p: argparse.ArgumentParser) -> None:
         "--max-num-batched-tokens",
         type=int,
         help="tokens per engine step (default: tandem serve's on the profile's device: 2048 on "
-        "a GPU, 256 on a CPU)",
+        "a GPU, 256 on a CPU; 2048 for a profile fitted from telemetry, which names no device)",
     )
     g.add_argument("--no-prefix-caching", action="store_true")
     g.add_argument(

@@ -111,7 +111,7 @@ class ModelConfig:
 # decode in it, so the chunk is sized for the device: on a GPU 2,048 prompt tokens take tens of
 # milliseconds; on a CPU they take seconds (2-7 s on the 2-core VMs), and 256 kept more streams
 # decoding (SmolLM2 @16 on a 2-core AVX-512 VM: 216 against 150 output tok/s in-process, TTFT p50
-# 1.1 against 4.5 s; docs/performance.md, "Prefill chunks sized for the CPU").
+# 1.1 against 4.5 s; docs/performance.md, "The same VM kind again").
 DEFAULT_BATCHED_TOKENS = {"cuda": 2048, "cpu": 256}
 
 
