@@ -151,9 +151,8 @@ class EngineConfig:
     rank_timeout: float = 120.0  # seconds ranks may take to start, or to meet in a collective
 
     def __post_init__(self) -> None:
-        # ("auto": settled once the cluster's devices are known, by a replace(device=...))
-        # At least one token for each running sequence, or the first ones would wait (vLLM asks
-        # for as much).
+        # The device's budget, and at least a token for each running sequence (vLLM asks as
+        # much). "auto" waits until the cluster's device is known (a replace(device=...)).
         if self.max_num_batched_tokens is None and self.device != "auto":
             budget = max(default_batched_tokens(self.device), self.max_num_seqs)
             object.__setattr__(self, "max_num_batched_tokens", budget)

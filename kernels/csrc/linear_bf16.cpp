@@ -26,6 +26,7 @@
 
 #include "shared_queue.h"
 
+#include <array>
 #include <cstring>
 #include <limits>
 #include <utility>
@@ -109,11 +110,13 @@ void emulated_group_kernel(const float* xs, int64_t kp, const uint32_t* stream,
 
 using EmulatedKernel = void (*)(const float*, int64_t, const uint32_t*, int64_t, float*);
 
+// The kernel for tiles of 1, 2, ... 16 rows: kEmulatedKernels[rows - 1].
 template <int... Rows>
-EmulatedKernel emulated_kernel_for(int64_t m, std::integer_sequence<int, Rows...>) {
-  EmulatedKernel kernels[] = {&emulated_group_kernel<Rows + 1>...};
-  return kernels[m - 1];
+constexpr std::array<EmulatedKernel, sizeof...(Rows)> emulated_kernels(
+    std::integer_sequence<int, Rows...>) {
+  return {&emulated_group_kernel<Rows + 1>...};
 }
+constexpr auto kEmulatedKernels = emulated_kernels(std::make_integer_sequence<int, kRows>());
 
 // float32 -> bf16, rounding to nearest even as torch and oneDNN do; a NaN stays a quiet NaN with
 // its sign and top payload bits (as vcvtneps2bf16 keeps them; torch writes 0x7FC0).
@@ -244,15 +247,13 @@ torch::Tensor bf16_linear(torch::Tensor x, torch::Tensor packed, int64_t n, int6
       }
     }
   });
-  EmulatedKernel kernels[kRows];
-  for (int64_t rows = 1; rows <= kRows; ++rows)
-    kernels[rows - 1] = emulated_kernel_for(rows, std::make_integer_sequence<int, kRows>());
   // A group's weights (18 KB at K = 576) stay in cache while every 16 rows of x pass over them:
   // the weights are read from memory once per call, whatever the rows.
   for_each_group(n, [&](float* sums, int64_t g, int64_t col0, __mmask16 mask) {
     for (int64_t r0 = 0; r0 < m; r0 += kRows) {
       const int64_t rows = std::min(kRows, m - r0);
-      kernels[rows - 1](xs.data() + r0 * kp * 2, kp, stream + g * kp * kCols, block / 2, sums);
+      kEmulatedKernels[rows - 1](xs.data() + r0 * kp * 2, kp, stream + g * kp * kCols,
+                                 block / 2, sums);
       for (int64_t r = 0; r < rows; ++r) {
         _mm256_mask_storeu_epi16(o + (r0 + r) * n + col0, mask,
                                  round_to_bf16(_mm512_load_ps(sums + r * kCols)));
