@@ -9,7 +9,7 @@ import os
 import sys
 from collections.abc import Callable, Sequence
 
-from cli import generate, plan, pool, profile, serve, simulate
+from cli import generate, make_model, plan, pool, profile, serve, simulate
 from cli.errors import CliError
 from loadtest import cli as bench_cli
 from loadtest.errors import BenchError
@@ -35,6 +35,7 @@ def build_parser() -> argparse.ArgumentParser:
     profile.add_parser(commands)
     simulate.add_parser(commands)
     plan.add_parser(commands)
+    make_model.add_parser(commands)
     return parser
 
 

@@ -1,37 +1,21 @@
-"""Tiny random-weight checkpoints built offline: a byte-level BPE tokenizer trained in memory and
-a Llama / Qwen2 / Qwen3 / Mistral model saved the way Hugging Face saves them."""
+"""Tiny random-weight checkpoints built offline: the byte-level BPE tokenizer `tandem make-model`
+writes (engine/random_model.py) and a Llama / Qwen2 / Qwen3 / Mistral model saved the way
+Hugging Face saves them."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 import torch
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import (
     AutoModelForCausalLM,
     LlamaConfig,
     MistralConfig,
-    PreTrainedTokenizerFast,
     Qwen2Config,
     Qwen3Config,
 )
 
-CHATML = (  # tools and tool calls as Hermes-style templates write them
-    "{% if tools %}<|im_start|>system\n{% for t in tools %}{{ t['function'] | tojson }}\n"
-    "{% endfor %}<|im_end|>\n{% endif %}"
-    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}"
-    "{% for c in m['tool_calls'] or [] %}<tool_call>{{ c['function'] | tojson }}</tool_call>"
-    "{% endfor %}<|im_end|>\n"
-    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
-SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-CORPUS = [
-    "The quick brown fox jumps over the lazy dog.",
-    "Paged attention stores keys and values in fixed-size blocks.",
-    "Prefill processes the prompt; decode generates one token at a time.",
-    "Über naïve café — ünïcödé 日本語 テキスト 😀 emoji!",
-    "0123456789 + - * / = ( ) [ ] { } < > ? ! . , ; :",
-] * 20
+from engine.random_model import train_tokenizer
 
 CONFIGS = {
     "llama": LlamaConfig,
@@ -39,26 +23,6 @@ CONFIGS = {
     "qwen3": Qwen3Config,
     "mistral": MistralConfig,
 }
-
-
-def train_tokenizer(vocab_size: int = 384) -> PreTrainedTokenizerFast:
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
-        special_tokens=SPECIALS,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tok.train_from_iterator(CORPUS, trainer)
-    return PreTrainedTokenizerFast(
-        tokenizer_object=tok,
-        bos_token="<|endoftext|>",
-        eos_token="<|im_end|>",
-        pad_token="<|endoftext|>",
-        chat_template=CHATML,
-    )
 
 
 def build_checkpoint(
