@@ -49,6 +49,17 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         choices=list(DTYPE_BYTES),
         help="weights",
     )
+    p.add_argument(
+        "--device", default="auto", choices=["auto", "cpu", "cuda"], help="auto: cuda if present"
+    )
+    p.add_argument(
+        "--gpu-memory-utilization",
+        type=float,
+        default=default_of(EngineConfig, "gpu_memory_utilization"),
+        metavar="SHARE",
+        help="CUDA: the share of the GPU's memory the engine may hold; its KV cache gets the "
+        "rest (default: a KV cache of 1 GiB)",
+    )
     add_tensor_parallel_flag(
         p, "split the model across N ranks (local processes: GPUs, or CPU cores)"
     )
@@ -79,7 +90,11 @@ def run(args: argparse.Namespace) -> int:
         ignore_eos=args.ignore_eos,
     )
     llm = LLM(
-        _model_folder(args.model), dtype=args.dtype, tensor_parallel_size=args.tensor_parallel_size
+        _model_folder(args.model),
+        dtype=args.dtype,
+        device=_device(args.device),
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        tensor_parallel_size=args.tensor_parallel_size,
     )
     try:
         if params.max_tokens > llm.engine.max_model_len:  # as `tandem serve` refuses it
@@ -104,6 +119,16 @@ def run(args: argparse.Namespace) -> int:
         else:
             print(output.text)
     return 0
+
+
+def _device(name: str) -> str:
+    import torch
+
+    if name == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if name == "cuda" and not torch.cuda.is_available():
+        raise CliError("--device cuda: torch sees no CUDA device here")
+    return name
 
 
 def _model_folder(model: Path | None) -> Path:

@@ -152,6 +152,15 @@ def _add_model_flags(g: argparse._ArgumentGroup) -> None:
         f"(default: {format_size(engine('kv_cache_memory_bytes'))})",
     )
     g.add_argument(
+        "--gpu-memory-utilization",
+        type=float,
+        default=engine("gpu_memory_utilization"),
+        metavar="SHARE",
+        help="CUDA: the share of a GPU's memory each worker may hold (weights, activations, "
+        "KV); its KV cache gets the rest, instead of --kv-cache-memory. Workers sharing a GPU "
+        "(--gpus-per-worker 0.5) each take their own share: 0.45 for two",
+    )
+    g.add_argument(
         "--max-num-seqs",
         type=int,
         default=engine("max_num_seqs"),
@@ -482,6 +491,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         device=args.device,  # "auto" is settled once Ray is up (coordinator.builder)
         block_size=args.block_size,
         kv_cache_memory_bytes=args.kv_cache_memory,
+        gpu_memory_utilization=args.gpu_memory_utilization,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
         decode_headroom_tokens=args.decode_headroom_tokens,

@@ -167,8 +167,9 @@ def build_client(engine: EngineConfig, deploy: DeployConfig) -> Coordinator:
 
 def check_kv_budget(engine: EngineConfig, deploy: DeployConfig, model: ModelConfig) -> None:
     """ConfigError when `--kv-cache-memory` holds not one block of the model's KV on a rank of
-    any pool (a rank holds its share of the KV heads), before any worker finds out alone."""
-    if engine.num_kv_blocks is not None:
+    any pool (a rank holds its share of the KV heads), before any worker finds out alone.
+    (`--gpu-memory-utilization` is checked by each worker on its GPU.)"""
+    if engine.num_kv_blocks is not None or engine.gpu_memory_utilization is not None:
         return
     for pool in ("prefill", "decode"):
         ranks = deploy.tensor_parallel(pool, engine.tensor_parallel_size)

@@ -124,7 +124,8 @@ def default_batched_tokens(device: str) -> int:
 class EngineConfig:
     """How one engine instance runs a model.
 
-    The KV pool size is `num_kv_blocks` when given, else whatever `kv_cache_memory_bytes` holds.
+    The KV pool size is `num_kv_blocks` when given, else what `gpu_memory_utilization` leaves
+    on a GPU when given, else whatever `kv_cache_memory_bytes` holds.
     """
 
     model: str | Path
@@ -132,6 +133,9 @@ class EngineConfig:
     device: str = "cpu"
     block_size: int = 16
     kv_cache_memory_bytes: int = 1 << 30
+    # CUDA: the share of the GPU's memory this engine may hold in all (weights, activations,
+    # KV); the KV pool gets what is left (engine/gpu_memory.py). None: kv_cache_memory_bytes.
+    gpu_memory_utilization: float | None = None
     num_kv_blocks: int | None = None
     max_num_seqs: int = 64
     max_num_batched_tokens: int | None = None  # None: default_batched_tokens(device)
@@ -171,6 +175,9 @@ class EngineConfig:
             raise ConfigError("decode_headroom_tokens must be at least 0")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ConfigError("num_kv_blocks must be at least 1")
+        share = self.gpu_memory_utilization
+        if share is not None and not 0 < share <= 1:
+            raise ConfigError("gpu_memory_utilization must be in (0, 1]")
         if self.late_after_s is not None and self.late_after_s <= 0:
             raise ConfigError("late_after_s must be above 0")
 

@@ -18,8 +18,9 @@ import torch
 
 from engine.block_manager import BlockManager
 from engine.config import ConfigError, EngineConfig, ModelConfig
+from engine.gpu_memory import kv_budget
 from engine.kv_cache import num_blocks_for_budget
-from engine.parallel import shard_for
+from engine.parallel import TPShard, shard_for
 from engine.runner import ModelRunner
 from engine.sampler import SampleRow, prompt_logprobs, sample, uniform
 from engine.scheduler import Scheduler, SchedulerConfig, StepPlan, fits_with_headroom
@@ -69,7 +70,7 @@ class LLMEngine:
         dtype = getattr(torch, config.dtype)
         shard = shard_for(self.model_config, config.tensor_parallel_size, 0)
         self.num_blocks = config.num_kv_blocks or num_blocks_for_budget(
-            self.model_config, config.block_size, dtype, config.kv_cache_memory_bytes, shard
+            self.model_config, config.block_size, dtype, self._kv_budget(shard), shard
         )
         self.max_model_len = self._max_model_len()
         self.eos_ids = frozenset(self.model_config.eos_token_ids)
@@ -92,6 +93,14 @@ class LLMEngine:
         # Response formats' matchers (made on a structured request's first sample).
         self.structures = Structures(self.model_config.path, self.model_config.vocab_size)
         log.info("engine ready: %d KV blocks of %d tokens", self.num_blocks, config.block_size)
+
+    def _kv_budget(self, shard: TPShard) -> int:
+        config = self.config
+        if config.gpu_memory_utilization is None or not config.device.startswith("cuda"):
+            return config.kv_cache_memory_bytes
+        budget = kv_budget(self.model_config, config, shard)
+        log.info("KV pool: %.2f GiB of the GPU", budget / 2**30)
+        return budget
 
     def _max_model_len(self) -> int:
         limit = self.config.max_model_len or self.model_config.max_model_len
