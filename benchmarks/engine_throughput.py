@@ -2,6 +2,11 @@
 
     python benchmarks/engine_throughput.py [--model DIR] [--vllm-venv /path/to/venv] \
         [--concurrency 1 16] [--json results/engine_throughput.json]
+    python benchmarks/engine_throughput.py --device cuda [--arch llama-3.2-1b llama-3.1-8b]
+
+With --device cuda: decode step times against the memory-bandwidth floor, CUDA graphs against
+eager steps, and throughput at 256 requests of 1k in / 256 out, on random-weight models of
+published shapes (benchmarks/decode_steps.py says how). Otherwise, as follows.
 
 Every engine gets the same prompts of exactly --input-len token ids and generates exactly
 --output-len tokens each (greedy, EOS ignored); one warm-up run, then one timed run per
@@ -22,6 +27,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+
+from benchmarks import decode_steps  # noqa: E402
 
 PROMPT_SEED = 0
 TOKEN_ID_RANGE = range(1000, 20000)  # the same prompts vllm_cpu_runner.py builds
@@ -140,7 +147,20 @@ def main() -> None:
     parser.add_argument("--vllm-venv", type=Path, help="a virtualenv with vllm-cpu installed")
     parser.add_argument("--skip-transformers", action="store_true")
     parser.add_argument("--json", type=Path, help="also write the rows to this file")
+    parser.add_argument(
+        "--device", default="cpu", help="cuda: the decode-step sweep (benchmarks/decode_steps.py)"
+    )
+    parser.add_argument("--steps", action="store_true", help="the decode-step sweep on --device")
+    decode_steps.add_flags(parser)
     args = parser.parse_args()
+    if args.steps or args.device != "cpu":
+        if args.input_len == 128 and args.output_len == 128:  # the sweep's own defaults
+            args.input_len, args.output_len = decode_steps.INPUT_LEN, decode_steps.OUTPUT_LEN
+        report = decode_steps.run(args)
+        if args.json:
+            args.json.parent.mkdir(parents=True, exist_ok=True)
+            args.json.write_text(json.dumps(report, default=str, indent=2))
+        return
 
     from engine.fetch import fetch_default_model
 

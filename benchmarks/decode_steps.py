@@ -1,0 +1,258 @@
+"""Decode steps against the memory-bandwidth floor, on a GPU: what `engine_throughput.py --device
+cuda` runs (the CPU works too, at small sizes, to try it out).
+
+    python benchmarks/engine_throughput.py --device cuda [--arch llama-3.2-1b llama-3.1-8b] \
+        [--models-dir /tmp/models] [--json results/decode_steps.json]
+
+Per architecture (a `tandem make-model` folder with random weights, written once under
+--models-dir), one engine with CUDA graphs:
+- **Step time** at each batch size and context: the largest batch of requests is prefilled to
+  the context, then requests are aborted down to each smaller batch; each size takes WARM_STEPS
+  steps, then the median of TIMED_STEPS timed ones (`LLMEngine.step()`, sampling and the
+  tokens' copy to the host included).
+- **The floor**: a decode step must read every weight it multiplies by (all but the embedding
+  table, of which it reads a row per sequence) and every context token's K and V once; bytes
+  over the device's copy bandwidth (a large device-to-device copy, read + write) is the least
+  time it can take. "of floor" is floor / step: 100% is the bandwidth limit.
+- **Throughput**: REQUESTS requests of INPUT_LEN random prompt ids and OUTPUT_LEN tokens each
+  (greedy, EOS ignored), all submitted at once: output tokens per second.
+Then the same model with `cuda_graphs=False` at batch 1 and 32 (the smallest context): graphs
+against eager launches. Batches whose KV does not fit the pool are skipped and said so.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+
+from engine.engine import LLMEngine  # noqa: E402
+from engine.gpu_memory import weight_bytes  # noqa: E402
+from engine.kv_cache import bytes_per_block  # noqa: E402
+from protocol.messages import TokenUpdate  # noqa: E402
+from protocol.sampling import SamplingParams  # noqa: E402
+
+WARM_STEPS = 2
+TIMED_STEPS = 10
+PROMPT_SEED = 0
+LONG_GENERATION = 1 << 20  # the step sweep aborts its requests; they never finish alone
+EAGER_BATCHES = (1, 32)
+INPUT_LEN, OUTPUT_LEN = 1024, 256  # the throughput run's requests
+
+
+def copy_bandwidth(device: str, nbytes: int = 1 << 30) -> float:
+    """Bytes per second of a device-to-device copy, read + write, best of five."""
+    src = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    best = float("inf")
+    for _ in range(6):
+        sync(device)
+        start = time.perf_counter()
+        dst.copy_(src)
+        sync(device)
+        best = min(best, time.perf_counter() - start)
+    return 2 * nbytes / best
+
+
+def sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def random_ids(count: int, length: int, vocab: int, seed: int = PROMPT_SEED) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(100, vocab) for _ in range(length)] for _ in range(count)]
+
+
+def floor_bytes(engine: LLMEngine, batch: int, context: int) -> tuple[int, int]:
+    """(weights, K and V) bytes a decode step of `batch` rows over `context` tokens must read."""
+    cfg = engine.model_config
+    dtype = getattr(torch, engine.config.dtype)
+    embedding = cfg.vocab_size * cfg.hidden_size * dtype.itemsize
+    kv_per_token = bytes_per_block(cfg, 1, dtype)
+    return weight_bytes(cfg, dtype) - embedding, batch * context * kv_per_token
+
+
+def fits(engine: LLMEngine, batch: int, context: int) -> bool:
+    per_seq = -(-(context + WARM_STEPS + TIMED_STEPS + 1) // engine.config.block_size)
+    return batch * per_seq <= engine.blocks.num_free_blocks
+
+
+def step_times(engine: LLMEngine, batches: list[int], context: int) -> dict[int, dict]:
+    """Median decode step per batch size (largest first, aborting down), with the mean context
+    the timed steps saw."""
+    fitting = [b for b in sorted(batches, reverse=True) if fits(engine, b, context)]
+    if not fitting:
+        return {}
+    params = SamplingParams(max_tokens=LONG_GENERATION, temperature=0, ignore_eos=True)
+    vocab = engine.model_config.vocab_size
+    ids = [f"ctx{context}-{i}" for i in range(fitting[0])]
+    for request_id, prompt in zip(ids, random_ids(len(ids), context, vocab), strict=True):
+        engine.add_request(request_id, prompt, params)
+    while (s := engine.snapshot()).num_waiting or s.queued_prefill_tokens:
+        engine.step()
+    results, steps_taken = {}, 0
+    for batch in fitting:
+        for request_id in ids[batch:]:
+            engine.abort(request_id)
+        ids = ids[:batch]
+        for _ in range(WARM_STEPS):
+            engine.step()
+        times = []
+        for _ in range(TIMED_STEPS):
+            start = time.perf_counter()
+            engine.step()
+            times.append(time.perf_counter() - start)
+        steps_taken += WARM_STEPS + TIMED_STEPS
+        results[batch] = {
+            "step_ms": statistics.median(times) * 1e3,
+            "context": context + steps_taken - TIMED_STEPS // 2,
+        }
+    for request_id in ids:
+        engine.abort(request_id)
+    return results
+
+
+def throughput(engine: LLMEngine, requests: int, input_len: int, output_len: int) -> dict:
+    params = SamplingParams(max_tokens=output_len, temperature=0, ignore_eos=True)
+    prompts = random_ids(requests, input_len, engine.model_config.vocab_size, seed=1)
+    start = time.perf_counter()
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"tp-{i}", prompt, params)
+    tokens = 0
+    while engine.has_unfinished:
+        tokens += sum(len(u.token_ids) for u in engine.step() if isinstance(u, TokenUpdate))
+    seconds = time.perf_counter() - start
+    return {
+        "requests": requests, "input_len": input_len, "output_len": output_len,
+        "output_tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds,
+    }  # fmt: skip
+
+
+def sweep_rows(
+    engine: LLMEngine, arch: str, graphs: bool, batches: list[int], contexts: list[int], bw: float
+) -> list[dict]:
+    rows = []
+    for context in contexts:
+        measured = step_times(engine, batches, context)
+        for batch in batches:
+            if batch not in measured:
+                rows.append({"arch": arch, "graphs": graphs, "batch": batch, "context": context,
+                             "skipped": "KV pool too small"})  # fmt: skip
+                continue
+            m = measured[batch]
+            weights, kv = floor_bytes(engine, batch, m["context"])
+            rows.append({
+                "arch": arch, "graphs": graphs, "batch": batch, "context": context,
+                "mean_context": m["context"], "step_ms": m["step_ms"],
+                "weights_floor_ms": weights / bw * 1e3, "floor_ms": (weights + kv) / bw * 1e3,
+            })  # fmt: skip
+    return rows
+
+
+def engine_for(folder: Path, args: argparse.Namespace, graphs: bool) -> LLMEngine:
+    from engine.config import EngineConfig
+
+    config = EngineConfig(
+        model=folder, dtype=args.dtype, device=args.device, max_num_seqs=max(args.batches),
+        max_num_batched_tokens=args.max_num_batched_tokens, enable_prefix_caching=False,
+        gpu_memory_utilization=args.gpu_memory_utilization if args.device != "cpu" else None,
+        kv_cache_memory_bytes=args.cpu_kv_bytes, cuda_graphs=graphs,
+        max_model_len=max(args.contexts) + args.input_len + args.output_len + 64,
+    )  # fmt: skip
+    return LLMEngine(config)
+
+
+def bench_arch(folder: Path, arch: str, args: argparse.Namespace, bw: float) -> dict:
+    started = time.perf_counter()
+    engine = engine_for(folder, args, graphs=True)
+    load_s = time.perf_counter() - started
+    rows = sweep_rows(engine, arch, True, args.batches, args.contexts, bw)
+    rate = throughput(engine, args.requests, args.input_len, args.output_len)
+    engine.close()
+    del engine
+    free_memory()
+    eager = engine_for(folder, args, graphs=False)
+    batches = [b for b in EAGER_BATCHES if b <= max(args.batches)]
+    rows += sweep_rows(eager, arch, False, batches, args.contexts[:1], bw)
+    eager.close()
+    del eager
+    free_memory()
+    return {"arch": arch, "load_s": load_s, "rows": rows, "throughput": rate}
+
+
+def free_memory() -> None:
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def print_tables(results: list[dict], bw: float) -> None:
+    print(f"device copy bandwidth: {bw / 1e9:.0f} GB/s (read + write)")
+    print(f"{'arch':<14}{'graphs':>7}{'batch':>6}{'ctx':>6}{'step ms':>9}{'floor ms':>9}"
+          f"{'of floor':>9}{'w-floor':>9}{'step/w':>8}")  # fmt: skip
+    for result in results:
+        for r in result["rows"]:
+            head = f"{r['arch']:<14}{'yes' if r['graphs'] else 'no':>7}{r['batch']:>6}"
+            head += f"{r['context']:>6}"
+            if "skipped" in r:
+                print(f"{head}  {r['skipped']}")
+                continue
+            print(f"{head}{r['step_ms']:>9.2f}{r['floor_ms']:>9.2f}"
+                  f"{100 * r['floor_ms'] / r['step_ms']:>8.0f}%{r['weights_floor_ms']:>9.2f}"
+                  f"{r['step_ms'] / r['weights_floor_ms']:>7.2f}x")  # fmt: skip
+    for result in results:
+        t = result["throughput"]
+        print(f"{result['arch']}: {t['requests']} requests x {t['input_len']} in / "
+              f"{t['output_len']} out: {t['tokens_per_s']:.0f} output tok/s "
+              f"({t['seconds']:.1f} s, engine load {result['load_s']:.0f} s)")  # fmt: skip
+    for result in results:
+        by = {(r["graphs"], r["batch"], r["context"]): r for r in result["rows"]}
+        context = min(r["context"] for r in result["rows"])
+        for batch in EAGER_BATCHES:
+            graph, eager = by.get((True, batch, context)), by.get((False, batch, context))
+            if graph and eager and "skipped" not in graph and "skipped" not in eager:
+                print(f"{result['arch']} batch {batch} ctx {context}: CUDA graphs "
+                      f"{eager['step_ms'] / graph['step_ms']:.2f}x faster than eager")  # fmt: skip
+
+
+def add_flags(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("decode steps (--device cuda)")
+    g.add_argument("--arch", nargs="+", default=["llama-3.2-1b", "llama-3.1-8b"])
+    g.add_argument("--num-layers", type=int, help="fewer layers than the architecture's")
+    g.add_argument("--models-dir", type=Path, default=Path("/tmp/tandem-models"))
+    g.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32, 128, 256])
+    g.add_argument("--contexts", type=int, nargs="+", default=[512, 2048])
+    g.add_argument("--requests", type=int, default=256, help="throughput: requests at once")
+    g.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    g.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    g.add_argument("--cpu-kv-bytes", type=int, default=1 << 30, help="the KV pool on a CPU")
+
+
+def run(args: argparse.Namespace) -> dict:
+    """The whole sweep; `args` as engine_throughput.py parses them (input/output lengths, dtype,
+    device) with add_flags'."""
+    from engine.random_model import make_model
+
+    bw = copy_bandwidth(args.device)
+    results = []
+    for arch in args.arch:
+        name = arch if args.num_layers is None else f"{arch}-l{args.num_layers}"
+        folder = args.models_dir / name
+        if not (folder / "config.json").is_file():
+            started = time.perf_counter()
+            make_model(arch, folder, num_layers=args.num_layers)
+            print(f"made {folder} in {time.perf_counter() - started:.0f} s", flush=True)
+        results.append(bench_arch(folder, arch, args, bw))
+        print_tables(results[-1:], bw)
+    device = torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu"
+    return {"device": device, "copy_bandwidth_bytes_per_s": bw, "results": results}
