@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import json
 import random
 import statistics
 import sys
@@ -47,6 +48,7 @@ PROMPT_SEED = 0
 LONG_GENERATION = 1 << 20  # the step sweep aborts its requests; they never finish alone
 EAGER_BATCHES = (1, 32)
 INPUT_LEN, OUTPUT_LEN = 1024, 256  # the throughput run's requests
+EAGER_KV_BYTES = 8 << 30  # 32 rows of the smallest context, for an 8B model, with room
 
 
 def copy_bandwidth(device: str, nbytes: int = 1 << 30) -> float:
@@ -160,40 +162,54 @@ def sweep_rows(
 
 
 def engine_for(folder: Path, args: argparse.Namespace, graphs: bool) -> LLMEngine:
+    """The sweep's engine: with graphs, the GPU's --gpu-memory-utilization for its KV pool;
+    without (EAGER_BATCHES at the smallest context only), a pool of EAGER_KV_BYTES."""
     from engine.config import EngineConfig
 
+    share = args.gpu_memory_utilization if graphs and args.device != "cpu" else None
     config = EngineConfig(
         model=folder, dtype=args.dtype, device=args.device, max_num_seqs=max(args.batches),
         max_num_batched_tokens=args.max_num_batched_tokens, enable_prefix_caching=False,
-        gpu_memory_utilization=args.gpu_memory_utilization if args.device != "cpu" else None,
-        kv_cache_memory_bytes=args.cpu_kv_bytes, cuda_graphs=graphs,
+        gpu_memory_utilization=share, kv_cache_memory_bytes=args.cpu_kv_bytes if graphs
+        else EAGER_KV_BYTES, cuda_graphs=graphs,
         max_model_len=max(args.contexts) + args.input_len + args.output_len + 64,
     )  # fmt: skip
     return LLMEngine(config)
 
 
 def bench_arch(folder: Path, arch: str, args: argparse.Namespace, bw: float) -> dict:
+    """One architecture's rows; a phase that fails is recorded with its error, and the next
+    phase still runs (a GPU call is too scarce to lose to one)."""
+    result: dict = {"arch": arch, "rows": [], "errors": []}
     started = time.perf_counter()
-    engine = engine_for(folder, args, graphs=True)
-    load_s = time.perf_counter() - started
-    rows = sweep_rows(engine, arch, True, args.batches, args.contexts, bw)
-    rate = throughput(engine, args.requests, args.input_len, args.output_len)
-    engine.close()
-    del engine
+    try:
+        engine = engine_for(folder, args, graphs=True)
+        result["load_s"] = time.perf_counter() - started
+        result["kv_blocks"] = engine.num_blocks
+        result["rows"] += sweep_rows(engine, arch, True, args.batches, args.contexts, bw)
+        result["throughput"] = throughput(engine, args.requests, args.input_len, args.output_len)
+        engine.close()
+    except Exception as err:  # noqa: BLE001 - recorded, and the eager phase still runs
+        result["errors"].append(f"graphs: {type(err).__name__}: {err}")
+    engine = None
     free_memory()
-    eager = engine_for(folder, args, graphs=False)
-    batches = [b for b in EAGER_BATCHES if b <= max(args.batches)]
-    rows += sweep_rows(eager, arch, False, batches, args.contexts[:1], bw)
-    eager.close()
-    del eager
+    try:
+        eager = engine_for(folder, args, graphs=False)
+        batches = [b for b in EAGER_BATCHES if b <= max(args.batches)]
+        result["rows"] += sweep_rows(eager, arch, False, batches, args.contexts[:1], bw)
+        eager.close()
+    except Exception as err:  # noqa: BLE001
+        result["errors"].append(f"eager: {type(err).__name__}: {err}")
+    eager = None
     free_memory()
-    return {"arch": arch, "load_s": load_s, "rows": rows, "throughput": rate}
+    return result
 
 
 def free_memory() -> None:
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
+        print(f"GPU memory allocated: {torch.cuda.memory_allocated() / 2**30:.1f} GiB", flush=True)
 
 
 def print_tables(results: list[dict], bw: float) -> None:
@@ -211,10 +227,15 @@ def print_tables(results: list[dict], bw: float) -> None:
                   f"{100 * r['floor_ms'] / r['step_ms']:>8.0f}%{r['weights_floor_ms']:>9.2f}"
                   f"{r['step_ms'] / r['weights_floor_ms']:>7.2f}x")  # fmt: skip
     for result in results:
+        for error in result["errors"]:
+            print(f"{result['arch']}: FAILED {error}")
+        if "throughput" not in result:
+            continue
         t = result["throughput"]
         print(f"{result['arch']}: {t['requests']} requests x {t['input_len']} in / "
               f"{t['output_len']} out: {t['tokens_per_s']:.0f} output tok/s "
-              f"({t['seconds']:.1f} s, engine load {result['load_s']:.0f} s)")  # fmt: skip
+              f"({t['seconds']:.1f} s, engine load {result['load_s']:.0f} s, "
+              f"{result['kv_blocks']} KV blocks)")  # fmt: skip
     for result in results:
         by = {(r["graphs"], r["batch"], r["context"]): r for r in result["rows"]}
         context = min(r["context"] for r in result["rows"])
@@ -244,7 +265,9 @@ def run(args: argparse.Namespace) -> dict:
     from engine.random_model import make_model
 
     bw = copy_bandwidth(args.device)
-    results = []
+    device = torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu"
+    results: list[dict] = []
+    report: dict = {}
     for arch in args.arch:
         name = arch if args.num_layers is None else f"{arch}-l{args.num_layers}"
         folder = args.models_dir / name
@@ -254,5 +277,8 @@ def run(args: argparse.Namespace) -> dict:
             print(f"made {folder} in {time.perf_counter() - started:.0f} s", flush=True)
         results.append(bench_arch(folder, arch, args, bw))
         print_tables(results[-1:], bw)
-    device = torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu"
-    return {"device": device, "copy_bandwidth_bytes_per_s": bw, "results": results}
+        report = {"device": device, "copy_bandwidth_bytes_per_s": bw, "results": results}
+        if args.json:  # after every architecture: a deadline keeps what was measured
+            args.json.parent.mkdir(parents=True, exist_ok=True)
+            args.json.write_text(json.dumps(report, default=str, indent=2))
+    return report

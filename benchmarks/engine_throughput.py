@@ -156,10 +156,7 @@ def main() -> None:
     if args.steps or args.device != "cpu":
         if args.input_len == 128 and args.output_len == 128:  # the sweep's own defaults
             args.input_len, args.output_len = decode_steps.INPUT_LEN, decode_steps.OUTPUT_LEN
-        report = decode_steps.run(args)
-        if args.json:
-            args.json.parent.mkdir(parents=True, exist_ok=True)
-            args.json.write_text(json.dumps(report, default=str, indent=2))
+        decode_steps.run(args)  # writes --json itself, after every architecture
         return
 
     from engine.fetch import fetch_default_model

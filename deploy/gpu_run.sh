@@ -14,6 +14,10 @@
 # ROUNDS interleaved rounds (default 1), on "gpu-0.5b": Qwen2.5-0.5B's shape with random
 # weights and SmolLM2's tokenizer, built there from .gpukit/source;
 # eager: the same with --enforce-eager (no CUDA graphs), stepped and colocated, one round;
+# engine: benchmarks/engine_throughput.py --device cuda (ENGINE_ARGS added): decode step times
+# against the bandwidth floor, CUDA graphs against eager, 256 x 1k/256 throughput, on
+# `tandem make-model` folders of Llama-3.2-1B and Llama-3.1-8B written under /tmp;
+# kernels: benchmarks/kernels.py, each Triton kernel against torch at Llama-3-8B shapes;
 # tests: every test marked gpu (the Triton kernels against their torch references, the engine
 # against transformers, CUDA graphs against eager steps, pools sharing the GPU, sampling);
 # profile: `tandem serve` 1P1D on the GPU under `tandem bench` (CONCURRENCY's first value), each
@@ -71,6 +75,18 @@ for step in $STEPS; do
             2>&1 | tee "$OUT/profile.log"
         status=$((status | PIPESTATUS[0]))
         ;;
+    engine)
+        # shellcheck disable=SC2086
+        timeout -s INT -k 20 "${ENGINE_S:-260}" python3 benchmarks/engine_throughput.py \
+            --device cuda --json "$OUT/engine-cuda.json" ${ENGINE_ARGS:-} 2>&1 |
+            tee "$OUT/engine-cuda.log"
+        status=$((status | PIPESTATUS[0]))
+        ;;
+    kernels)
+        timeout -s INT -k 20 "${KERNELS_S:-120}" python3 benchmarks/kernels.py \
+            --json "$OUT/kernels.json" 2>&1 | tee "$OUT/kernels.log"
+        status=$((status | PIPESTATUS[0]))
+        ;;
     tests)
         mapfile -t files < <(grep -rl "mark.gpu" tests)
         # each failure's traceback lands in gpu-failures.log at once (tests/conftest.py)
@@ -81,7 +97,7 @@ for step in $STEPS; do
         status=$((status | PIPESTATUS[0]))
         ;;
     *)
-        echo "gpu_run: unknown step $step (bench, eager, profile, tests)" >&2
+        echo "gpu_run: unknown step $step (bench, eager, engine, kernels, profile, tests)" >&2
         exit 2
         ;;
     esac
