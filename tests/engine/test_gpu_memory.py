@@ -78,6 +78,8 @@ def test_on_a_gpu_the_engine_takes_its_share_and_stays_within_it(checkpoints) ->
 
     folder = checkpoints("llama")
     torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    held = torch.cuda.memory_reserved()  # earlier tests' tensors still alive in this process
     free, total = torch.cuda.mem_get_info()
     llm = LLM(folder, device="cuda", gpu_memory_utilization=0.2)
     cfg, config = llm.engine.model_config, llm.engine.config
@@ -87,4 +89,4 @@ def test_on_a_gpu_the_engine_takes_its_share_and_stays_within_it(checkpoints) ->
     assert llm.engine.num_blocks == expected // per_block
     params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
     llm.generate_ids([[5, 6, 7, 8]] * 8, params)
-    assert torch.cuda.max_memory_reserved() <= 0.2 * total
+    assert torch.cuda.max_memory_reserved() - held <= 0.2 * total
