@@ -205,6 +205,20 @@ def bench_arch(folder: Path, arch: str, args: argparse.Namespace, bw: float) -> 
     return result
 
 
+def profile_arch(folder: Path, arch: str, args: argparse.Namespace, bw: float) -> dict:
+    engine = engine_for(folder, args, graphs=True)
+    context = args.contexts[0]
+    profiles = []
+    for batch in args.batches:
+        p = profile_steps(engine, batch, context)
+        weights, kv = floor_bytes(engine, batch, context)
+        p["floor_ms"] = (weights + kv) / bw * 1e3
+        print_profile(arch, p, p["floor_ms"])
+        profiles.append(p)
+    engine.close()
+    return {"arch": arch, "profiles": profiles}
+
+
 def free_memory() -> None:
     gc.collect()
     if torch.cuda.is_available():
@@ -246,6 +260,52 @@ def print_tables(results: list[dict], bw: float) -> None:
                       f"{eager['step_ms'] / graph['step_ms']:.2f}x faster than eager")  # fmt: skip
 
 
+def profile_steps(engine: LLMEngine, batch: int, context: int, steps: int = 20) -> dict:
+    """`steps` decode steps of `batch` rows under torch.profiler: the wall time per step beside
+    the GPU's kernel time per step (what the device did) and the busiest kernels and host
+    calls. Wall minus kernel time is the step's time with the GPU idle."""
+    from torch.profiler import ProfilerActivity, profile
+
+    params = SamplingParams(max_tokens=LONG_GENERATION, temperature=0, ignore_eos=True)
+    ids = [f"prof-{i}" for i in range(batch)]
+    prompts = random_ids(batch, context, engine.model_config.vocab_size, seed=2)
+    for request_id, prompt in zip(ids, prompts, strict=True):
+        engine.add_request(request_id, prompt, params)
+    while (s := engine.snapshot()).num_waiting or s.queued_prefill_tokens:
+        engine.step()
+    for _ in range(WARM_STEPS + 1):
+        engine.step()
+    cuda = engine.config.device.startswith("cuda")
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=activities) as prof:
+        start = time.perf_counter()
+        for _ in range(steps):
+            engine.step()
+        wall = (time.perf_counter() - start) / steps
+    for request_id in ids:
+        engine.abort(request_id)
+    events = prof.key_averages()
+    kernels = [e for e in events if cuda and e.device_type.name == "CUDA"]
+    kernel_s = sum(e.self_device_time_total for e in kernels) / 1e6 / steps
+    top_gpu = sorted(kernels, key=lambda e: -e.self_device_time_total)[:8]
+    top_cpu = sorted(events, key=lambda e: -e.self_cpu_time_total)[:8]
+    return {
+        "batch": batch, "context": context, "wall_ms": wall * 1e3, "kernel_ms": kernel_s * 1e3,
+        "top_kernels": [(e.key[:70], e.self_device_time_total / 1e3 / steps) for e in top_gpu],
+        "top_host": [(e.key[:70], e.self_cpu_time_total / 1e3 / steps) for e in top_cpu],
+    }  # fmt: skip
+
+
+def print_profile(arch: str, p: dict, floor_ms: float) -> None:
+    print(f"{arch} batch {p['batch']} ctx {p['context']}: step {p['wall_ms']:.2f} ms wall, "
+          f"GPU kernels {p['kernel_ms']:.2f} ms, idle {p['wall_ms'] - p['kernel_ms']:.2f} ms, "
+          f"floor {floor_ms:.2f} ms")  # fmt: skip
+    for name, ms in p["top_kernels"]:
+        print(f"    gpu  {ms:7.3f} ms/step  {name}")
+    for name, ms in p["top_host"]:
+        print(f"    host {ms:7.3f} ms/step  {name}")
+
+
 def add_flags(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("decode steps (--device cuda)")
     g.add_argument("--arch", nargs="+", default=["llama-3.2-1b", "llama-3.1-8b"])
@@ -257,6 +317,10 @@ def add_flags(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--max-num-batched-tokens", type=int, default=8192)
     g.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     g.add_argument("--cpu-kv-bytes", type=int, default=1 << 30, help="the KV pool on a CPU")
+    g.add_argument(
+        "--profile", action="store_true",
+        help="instead of the sweep: torch.profiler over decode steps at --batches, first context",
+    )  # fmt: skip
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -275,8 +339,11 @@ def run(args: argparse.Namespace) -> dict:
             started = time.perf_counter()
             make_model(arch, folder, num_layers=args.num_layers)
             print(f"made {folder} in {time.perf_counter() - started:.0f} s", flush=True)
-        results.append(bench_arch(folder, arch, args, bw))
-        print_tables(results[-1:], bw)
+        if args.profile:
+            results.append(profile_arch(folder, arch, args, bw))
+        else:
+            results.append(bench_arch(folder, arch, args, bw))
+            print_tables(results[-1:], bw)
         report = {"device": device, "copy_bandwidth_bytes_per_s": bw, "results": results}
         if args.json:  # after every architecture: a deadline keeps what was measured
             args.json.parent.mkdir(parents=True, exist_ok=True)
