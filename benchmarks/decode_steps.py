@@ -216,6 +216,8 @@ def profile_arch(folder: Path, arch: str, args: argparse.Namespace, bw: float) -
         print_profile(arch, p, p["floor_ms"])
         profiles.append(p)
     engine.close()
+    engine = None  # the next architecture needs this one's memory back
+    free_memory()
     return {"arch": arch, "profiles": profiles}
 
 
