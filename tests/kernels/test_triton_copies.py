@@ -9,7 +9,9 @@ import torch
 from kernels.pack_kv import pack_kv_ref, unpack_kv_ref
 from kernels.store_kv import store_kv_ref
 from tests.support.triton_cases import (
+    BLOCK_SIZES,
     HALF_DTYPES,
+    MODEL_HEADS,
     compiled,
     device,
     interpreted,
@@ -111,3 +113,28 @@ def test_launchers_reject_bad_arguments() -> None:
 def test_gpu_copies_match_reference(dtype: torch.dtype, num_tokens: int) -> None:
     check_store_kv(LLAMA_8B, min(num_tokens, 4096), dtype)
     check_pack_roundtrip(LLAMA_8B, num_tokens, dtype)
+
+
+def model_cache(model: str, block_size: int, num_blocks: int) -> dict:
+    _, kv_heads, head_dim = MODEL_HEADS[model]
+    return dict(num_blocks=num_blocks, block_size=block_size, kv_heads=kv_heads, head_dim=head_dim)
+
+
+@interpreted
+@pytest.mark.parametrize("block_size", BLOCK_SIZES)
+@pytest.mark.parametrize("model", MODEL_HEADS)
+def test_model_shapes_match_reference(model: str, block_size: int) -> None:
+    shape = model_cache(model, block_size, num_blocks=6)
+    check_store_kv(shape, 37, torch.bfloat16)
+    check_pack_roundtrip(shape, 37, torch.bfloat16)
+
+
+@pytest.mark.gpu
+@compiled
+@pytest.mark.parametrize("block_size", BLOCK_SIZES)
+@pytest.mark.parametrize("model", MODEL_HEADS)
+@pytest.mark.parametrize("num_tokens", [1, 777, 4096])
+def test_gpu_model_shapes_match_reference(model: str, block_size: int, num_tokens: int) -> None:
+    shape = model_cache(model, block_size, num_blocks=512)
+    check_store_kv(shape, num_tokens, torch.bfloat16)
+    check_pack_roundtrip(shape, num_tokens, torch.bfloat16)

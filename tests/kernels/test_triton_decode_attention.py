@@ -6,7 +6,15 @@ import pytest
 import torch
 
 from kernels.decode_attention import decode_attention_ref
-from tests.support.triton_cases import HALF_DTYPES, compiled, device, interpreted, paged_cache
+from tests.support.triton_cases import (
+    BLOCK_SIZES,
+    HALF_DTYPES,
+    MODEL_HEADS,
+    compiled,
+    device,
+    interpreted,
+    paged_cache,
+)
 
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 2e-3}
 
@@ -101,3 +109,25 @@ def test_gpu_matches_reference(dtype: torch.dtype, group: int, split_tokens: int
     lens = [1, 16, 17, 511, 2048, 4100, 8192]
     case = paged_case(lens, 8 * group, 8, dtype, head_dim=128, block_size=16)
     check(case, scale=128**-0.5, split_tokens=split_tokens)
+
+
+def check_model_shape(model: str, block_size: int, lens: list[int]) -> None:
+    heads, kv_heads, head_dim = MODEL_HEADS[model]
+    case = paged_case(lens, heads, kv_heads, torch.bfloat16, head_dim, block_size)
+    check(case, scale=head_dim**-0.5)
+
+
+@interpreted
+@pytest.mark.parametrize("block_size", BLOCK_SIZES)
+@pytest.mark.parametrize("model", MODEL_HEADS)
+def test_model_shapes_match_reference(model: str, block_size: int) -> None:
+    check_model_shape(model, block_size, [1, block_size, block_size + 1, 45])
+
+
+@pytest.mark.gpu
+@compiled
+@pytest.mark.parametrize("block_size", BLOCK_SIZES)
+@pytest.mark.parametrize("model", MODEL_HEADS)
+def test_gpu_model_shapes_match_reference(model: str, block_size: int) -> None:
+    # a ragged batch: one token, block edges, a long context that the kernel splits
+    check_model_shape(model, block_size, [1, 15, 16, 17, 33, 1000, 2049, 6000])

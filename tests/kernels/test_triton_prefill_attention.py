@@ -7,7 +7,15 @@ import pytest
 import torch
 
 from kernels.prefill_attention import prefill_attention_ref
-from tests.support.triton_cases import HALF_DTYPES, compiled, device, interpreted, paged_cache
+from tests.support.triton_cases import (
+    BLOCK_SIZES,
+    HALF_DTYPES,
+    MODEL_HEADS,
+    compiled,
+    device,
+    interpreted,
+    paged_cache,
+)
 
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 2e-3}
 
@@ -79,3 +87,27 @@ def test_rejects_a_context_shorter_than_the_chunk() -> None:
 def test_gpu_matches_reference(dtype: torch.dtype, group: int, chunk: tuple[int, int]) -> None:
     case = chunk_case(*chunk, heads=8 * group, kv_heads=8, dtype=dtype, head_dim=128, block_size=16)
     check(case, scale=128**-0.5)
+
+
+def check_model_shape(model: str, block_size: int, chunk: tuple[int, int]) -> None:
+    heads, kv_heads, head_dim = MODEL_HEADS[model]
+    case = chunk_case(*chunk, heads, kv_heads, torch.bfloat16, head_dim, block_size)
+    check(case, scale=head_dim**-0.5)
+
+
+@interpreted
+@pytest.mark.parametrize("block_size", BLOCK_SIZES)
+@pytest.mark.parametrize("model", MODEL_HEADS)
+def test_model_shapes_match_reference(model: str, block_size: int) -> None:
+    check_model_shape(model, block_size, (block_size + 3, 21))
+
+
+@pytest.mark.gpu
+@compiled
+@pytest.mark.parametrize("block_size", BLOCK_SIZES)
+@pytest.mark.parametrize("model", MODEL_HEADS)
+@pytest.mark.parametrize("chunk", [(0, 300), (37, 64), (1000, 129), (2048, 2048)])
+def test_gpu_model_shapes_match_reference(
+    model: str, block_size: int, chunk: tuple[int, int]
+) -> None:
+    check_model_shape(model, block_size, chunk)

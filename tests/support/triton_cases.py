@@ -21,6 +21,14 @@ compiled = pytest.mark.skipif(
     reason="needs CUDA and triton (not interpreted)",
 )
 HALF_DTYPES = [torch.float16, torch.bfloat16]
+# (query heads, KV heads, head dim) of the models GPU runs serve, and the cache block sizes
+# they are served with: every kernel is checked at each pair.
+MODEL_HEADS = {
+    "smollm2-135m": (9, 3, 64),
+    "llama-3.2-1b": (32, 8, 64),
+    "llama-3.1-8b": (32, 8, 128),
+}
+BLOCK_SIZES = [16, 32]
 
 
 def device() -> str:
