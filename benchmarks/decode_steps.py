@@ -81,7 +81,9 @@ def floor_bytes(engine: LLMEngine, batch: int, context: int) -> tuple[int, int]:
     dtype = getattr(torch, engine.config.dtype)
     embedding = cfg.vocab_size * cfg.hidden_size * dtype.itemsize
     kv_per_token = bytes_per_block(cfg, 1, dtype)
-    return weight_bytes(cfg, dtype) - embedding, batch * context * kv_per_token
+    # The embedding table is read a row per sequence, unless it is also the LM head.
+    multiplied = weight_bytes(cfg, dtype) - (0 if cfg.tie_word_embeddings else embedding)
+    return multiplied, batch * context * kv_per_token
 
 
 def fits(engine: LLMEngine, batch: int, context: int) -> bool:

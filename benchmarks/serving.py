@@ -116,6 +116,10 @@ LAYOUTS = {  # served targets: their `tandem serve` layout flags
     # than waiting behind the prefill worker's queue (conditional disaggregation).
     "1p1d-cost": ("--mode", "disaggregated", "--prefill-workers", "1", "--decode-workers", "1",
                   "--routing", "cost"),
+    # 1P1D without the KV checksums: what their reads back cost the handover (on one GPU, each
+    # waits on a stream the other worker's context shares by time slices).
+    "1p1d-nochecksum": ("--mode", "disaggregated", "--prefill-workers", "1",
+                        "--decode-workers", "1", "--no-kv-checksum"),
     # Colocated with tokens streamed four at a time after the first (`--stream-interval 4`):
     # what the per-token HTTP path costs, as the throughput it gives back; burstier streams.
     "colocated-interval4": ("--mode", "colocated", "--prefill-workers", "0",

@@ -175,6 +175,7 @@ class CausalLM(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(cfg, shard, comm) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, shard.vocab_rows, bias=False)
+        self.tie_head()
         with torch.device("cpu"):  # plain tables even when the module is built on "meta"
             self.rope = RotaryEmbedding(
                 cfg.head_dim, cfg.max_model_len, cfg.rope_theta, cfg.rope_scaling
@@ -197,6 +198,13 @@ class CausalLM(nn.Module):
         x, _ = self.norm.add_and_norm(x[rows], residual[rows])
         return self.comm.gather_vocab(self.lm_head(x))[:, : self.cfg.vocab_size]
 
+    def tie_head(self) -> None:
+        """With tied embeddings the LM head is the embedding's parameter, one matrix as in the
+        checkpoint (both hold the same vocabulary rows on every rank). Moving the module to
+        another device or dtype may give each its own tensor: call again after."""
+        if self.cfg.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+
     def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:  # [N] -> [N, hidden]
         """Vocabulary-parallel: each rank embeds the ids in its row range, zeros for the
         rest, and the all-reduce adds exactly one non-zero row per token."""
@@ -213,12 +221,13 @@ class CausalLM(nn.Module):
         cfg, shard = self.cfg, self.shard
         vocab = slice(shard.vocab_start, min(cfg.vocab_size, shard.vocab_start + shard.vocab_rows))
         embed = "model.embed_tokens.weight"
-        lm_head = embed if cfg.tie_word_embeddings else "lm_head.weight"
         sources = {
             "embed_tokens.weight": [_rows(embed, cfg.vocab_size, cfg.hidden_size, vocab)],
             "norm.weight": [whole("model.norm.weight", cfg.hidden_size)],
-            "lm_head.weight": [_rows(lm_head, cfg.vocab_size, cfg.hidden_size, vocab)],
         }
+        if not cfg.tie_word_embeddings:  # tied: the LM head is the embedding's parameter
+            head = "lm_head.weight"
+            sources[head] = [_rows(head, cfg.vocab_size, cfg.hidden_size, vocab)]
         for i in range(cfg.num_layers):
             sources.update(_layer_sources(i, cfg, shard))
         return sources

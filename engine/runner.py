@@ -38,6 +38,7 @@ def load_model(
     with torch.device("meta"):
         model = CausalLM(model_cfg, shard, comm)
     model = model.to_empty(device=device).to(dtype)
+    model.tie_head()
     load_weights(model, model_cfg.path)
     model.rope.to(dtype, device)
     if can_pack(dtype, torch.device(device)):
