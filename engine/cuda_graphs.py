@@ -23,10 +23,9 @@ import bisect
 import logging
 import time
 
-import numpy as np
 import torch
 
-from engine.forward_batch import ForwardBatch
+from engine.forward_batch import ForwardBatch, pad_tables
 
 log = logging.getLogger(__name__)
 
@@ -112,9 +111,7 @@ class DecodeGraphs:
             ],
             dtype=torch.int64,
         )
-        padded = np.full((rows, width), self.pad_block, dtype=np.int64)
-        for i, table in enumerate(tables):
-            padded[i, : len(table)] = table
+        padded = pad_tables(tables, width, self.pad_block, rows)
         self.inputs[:, :rows].copy_(inputs)
         self.tables[width][:rows].copy_(torch.from_numpy(padded))
         graph = self.graphs.get((rows, width))

@@ -368,11 +368,14 @@ class LLMEngine:
         return RequestFailed(seq.request_id, reason, retry=False)
 
     def _sample_row(self, seq: Sequence) -> SampleRow:
-        structure = seq.params.structure
+        params, structure = seq.params, seq.params.structure
+        # Only penalties read the token lists: copying a long prompt for every row of every
+        # step was most of a large batch's host time between GPU steps.
+        penalized = params.adjusts_logits
         return SampleRow(
-            params=seq.params,
-            prompt_ids=seq.token_ids[: seq.num_prompt_tokens],
-            output_ids=seq.output_token_ids,
+            params=params,
+            prompt_ids=seq.token_ids[: seq.num_prompt_tokens] if penalized else (),
+            output_ids=seq.output_token_ids if penalized else (),
             blocked_ids=blocked_tokens(seq, self.eos_ids),
             generator=self.generators.get(seq.request_id, self.default_generator),
             allowed=None

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 
@@ -38,3 +39,18 @@ class ForwardBatch:
     decode_context_lens: torch.Tensor  # [num_decodes] int64
     prefills: tuple[PrefillSegment, ...]
     logits_indices: torch.Tensor  # [S] rows whose next-token logits are wanted
+
+
+def pad_tables(
+    tables: list[list[int]], width: int | None = None, fill: int = 0, rows: int | None = None
+) -> np.ndarray:
+    """[rows (default: one per table), width (default: the longest)] int64: each table's row
+    padded with `fill`, which attention masks by context length, and rows past the tables all
+    `fill`. Filled row by row through numpy: a nested list through torch.tensor costs ~4x as
+    much, milliseconds a step at a few hundred rows."""
+    if width is None:
+        width = max((len(t) for t in tables), default=0)
+    padded = np.full((rows or len(tables), width), fill, dtype=np.int64)
+    for i, table in enumerate(tables):
+        padded[i, : len(table)] = table
+    return padded

@@ -14,7 +14,7 @@ from torch.distributed import ProcessGroup
 from engine.block_manager import slots_of
 from engine.config import EngineConfig, ModelConfig
 from engine.cuda_graphs import DecodeGraphs
-from engine.forward_batch import ForwardBatch, PrefillSegment
+from engine.forward_batch import ForwardBatch, PrefillSegment, pad_tables
 from engine.kv_cache import allocate_kv_cache
 from engine.model import CausalLM, LayerHook
 from engine.packed_linear import can_pack, pack_linears
@@ -185,7 +185,7 @@ class ModelRunner:
             positions=self._tensor(spec.positions),
             slot_mapping=self._tensor(spec.slots),
             num_decodes=len(spec.decode_tables),
-            decode_block_tables=self._tensor(pad_tables(spec.decode_tables)),
+            decode_block_tables=torch.from_numpy(pad_tables(spec.decode_tables)).to(self.device),
             decode_context_lens=self._tensor(spec.decode_lens),
             prefills=tuple(
                 PrefillSegment(start, end, self._tensor(table), context_len)
@@ -231,9 +231,3 @@ def _prompt_scores(
 def order_for_batch(chunks: tuple[ScheduledChunk, ...]) -> list[ScheduledChunk]:
     """Single-token chunks first (attended as one decode batch), then the multi-token ones."""
     return [c for c in chunks if c.num_tokens == 1] + [c for c in chunks if c.num_tokens > 1]
-
-
-def pad_tables(tables: list[list[int]]) -> list[list[int]]:
-    # Padding entries point at block 0; attention masks them by context length.
-    width = max((len(t) for t in tables), default=0)
-    return [t + [0] * (width - len(t)) for t in tables]

@@ -21,7 +21,7 @@ def check_stop(
 ) -> tuple[FinishReason, int | None] | None:
     """After a token was appended: (finish reason, stopping token id) or None to go on."""
     params, last = seq.params, seq.token_ids[-1]
-    if last in params.stop_ids(eos_ids) and seq.num_output_tokens >= params.min_tokens:
+    if params.stops_at(last, eos_ids) and seq.num_output_tokens >= params.min_tokens:
         return FinishReason.STOP, last
     if seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= max_model_len:
         return FinishReason.LENGTH, None
