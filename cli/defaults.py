@@ -34,3 +34,16 @@ def add_tensor_parallel_flag(parser: argparse._ActionsContainer, help: str) -> N
         metavar="N",
         help=help,
     )
+
+
+def add_gpu_memory_flag(parser: argparse._ActionsContainer, help: str) -> None:
+    """`--gpu-memory-utilization`, as every command that loads a model on CUDA spells it."""
+    from engine.config import EngineConfig
+
+    parser.add_argument(
+        "--gpu-memory-utilization",
+        type=float,
+        default=default_of(EngineConfig, "gpu_memory_utilization"),
+        metavar="SHARE",
+        help=help,
+    )

@@ -6,7 +6,7 @@ import argparse
 import json
 from pathlib import Path
 
-from cli.defaults import add_tensor_parallel_flag, default_of
+from cli.defaults import add_gpu_memory_flag, add_tensor_parallel_flag, default_of
 from cli.errors import CliError
 from engine.config import EngineConfig
 from loadtest.cli import DefaultsFormatter
@@ -52,13 +52,10 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--device", default="auto", choices=["auto", "cpu", "cuda"], help="auto: cuda if present"
     )
-    p.add_argument(
-        "--gpu-memory-utilization",
-        type=float,
-        default=default_of(EngineConfig, "gpu_memory_utilization"),
-        metavar="SHARE",
-        help="CUDA: the share of the GPU's memory the engine may hold; its KV cache gets the "
-        "rest (default: a KV cache of 1 GiB)",
+    add_gpu_memory_flag(
+        p,
+        "CUDA: the share of the GPU's memory the engine may hold; its KV cache gets the rest "
+        "(default: a KV cache of 1 GiB)",
     )
     add_tensor_parallel_flag(
         p, "split the model across N ranks (local processes: GPUs, or CPU cores)"

@@ -17,7 +17,7 @@ import signal
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from cli.defaults import DEVICES, add_tensor_parallel_flag, default_of
+from cli.defaults import DEVICES, add_gpu_memory_flag, add_tensor_parallel_flag, default_of
 from cli.errors import CliError
 from coordinator.api.settings import TOOL_CALL_PARSERS, ServerSettings
 from coordinator.deploy import MODES, PLANNER_MODES, ROUTING_POLICIES, DeployConfig
@@ -151,13 +151,10 @@ def _add_model_flags(g: argparse._ArgumentGroup) -> None:
         help="KV cache per worker, e.g. 512MiB or 4GiB "
         f"(default: {format_size(engine('kv_cache_memory_bytes'))})",
     )
-    g.add_argument(
-        "--gpu-memory-utilization",
-        type=float,
-        default=engine("gpu_memory_utilization"),
-        metavar="SHARE",
-        help="CUDA: the share of a GPU's memory each worker may hold (weights, activations, "
-        "KV); its KV cache gets the rest, instead of --kv-cache-memory. Workers sharing a GPU "
+    add_gpu_memory_flag(
+        g,
+        "CUDA: the share of a GPU's memory each worker may hold (weights, activations, KV); "
+        "its KV cache gets the rest, instead of --kv-cache-memory. Workers sharing a GPU "
         "(--gpus-per-worker 0.5) each take their own share: 0.45 for two",
     )
     g.add_argument(
