@@ -168,12 +168,13 @@ def engine_for(folder: Path, args: argparse.Namespace, graphs: bool) -> LLMEngin
     without (EAGER_BATCHES at the smallest context only), a pool of EAGER_KV_BYTES."""
     from engine.config import EngineConfig
 
-    share = args.gpu_memory_utilization if graphs and args.device != "cpu" else None
+    on_cpu = args.device == "cpu"
+    share = args.gpu_memory_utilization if graphs and not on_cpu else None
+    kv_bytes = args.cpu_kv_bytes if graphs or on_cpu else EAGER_KV_BYTES
     config = EngineConfig(
         model=folder, dtype=args.dtype, device=args.device, max_num_seqs=max(args.batches),
         max_num_batched_tokens=args.max_num_batched_tokens, enable_prefix_caching=False,
-        gpu_memory_utilization=share, kv_cache_memory_bytes=args.cpu_kv_bytes if graphs
-        else EAGER_KV_BYTES, cuda_graphs=graphs,
+        gpu_memory_utilization=share, kv_cache_memory_bytes=kv_bytes, cuda_graphs=graphs,
         max_model_len=max(args.contexts) + args.input_len + args.output_len + 64,
     )  # fmt: skip
     return LLMEngine(config)
