@@ -75,15 +75,30 @@ def random_ids(count: int, length: int, vocab: int, seed: int = PROMPT_SEED) -> 
     return [[rng.randrange(100, vocab) for _ in range(length)] for _ in range(count)]
 
 
-def floor_bytes(engine: LLMEngine, batch: int, context: int) -> tuple[int, int]:
-    """(weights, K and V) bytes a decode step of `batch` rows over `context` tokens must read."""
+def multiplied_bytes(engine: LLMEngine) -> int:
+    """Weight bytes a decode step reads whatever its batch: every matrix it multiplies by. The
+    embedding table is read a row per sequence, unless it is also the LM head."""
     cfg = engine.model_config
     dtype = getattr(torch, engine.config.dtype)
     embedding = cfg.vocab_size * cfg.hidden_size * dtype.itemsize
-    kv_per_token = bytes_per_block(cfg, 1, dtype)
-    # The embedding table is read a row per sequence, unless it is also the LM head.
-    multiplied = weight_bytes(cfg, dtype) - (0 if cfg.tie_word_embeddings else embedding)
-    return multiplied, batch * context * kv_per_token
+    return weight_bytes(cfg, dtype) - (0 if cfg.tie_word_embeddings else embedding)
+
+
+def kv_read_bytes(engine: LLMEngine, batch: int, context: int) -> int:
+    """K and V bytes a decode step of `batch` rows over `context` tokens reads."""
+    dtype = getattr(torch, engine.config.dtype)
+    return batch * context * bytes_per_block(engine.model_config, 1, dtype)
+
+
+def start_decoding(engine: LLMEngine, ids: list[str], context: int, seed: int) -> None:
+    """Requests `ids` with random prompts of `context` tokens, prefilled: the next steps are
+    all decodes. They generate until aborted."""
+    params = SamplingParams(max_tokens=LONG_GENERATION, temperature=0, ignore_eos=True)
+    prompts = random_ids(len(ids), context, engine.model_config.vocab_size, seed)
+    for request_id, prompt in zip(ids, prompts, strict=True):
+        engine.add_request(request_id, prompt, params)
+    while (s := engine.snapshot()).num_waiting or s.queued_prefill_tokens:
+        engine.step()
 
 
 def fits(engine: LLMEngine, batch: int, context: int) -> bool:
@@ -97,13 +112,8 @@ def step_times(engine: LLMEngine, batches: list[int], context: int) -> dict[int,
     fitting = [b for b in sorted(batches, reverse=True) if fits(engine, b, context)]
     if not fitting:
         return {}
-    params = SamplingParams(max_tokens=LONG_GENERATION, temperature=0, ignore_eos=True)
-    vocab = engine.model_config.vocab_size
     ids = [f"ctx{context}-{i}" for i in range(fitting[0])]
-    for request_id, prompt in zip(ids, random_ids(len(ids), context, vocab), strict=True):
-        engine.add_request(request_id, prompt, params)
-    while (s := engine.snapshot()).num_waiting or s.queued_prefill_tokens:
-        engine.step()
+    start_decoding(engine, ids, context, PROMPT_SEED)
     results, steps_taken = {}, 0
     for batch in fitting:
         for request_id in ids[batch:]:
@@ -145,7 +155,7 @@ def throughput(engine: LLMEngine, requests: int, input_len: int, output_len: int
 def sweep_rows(
     engine: LLMEngine, arch: str, graphs: bool, batches: list[int], contexts: list[int], bw: float
 ) -> list[dict]:
-    rows = []
+    rows, weights = [], multiplied_bytes(engine)  # (the model built once on the meta device)
     for context in contexts:
         measured = step_times(engine, batches, context)
         for batch in batches:
@@ -154,7 +164,7 @@ def sweep_rows(
                              "skipped": "KV pool too small"})  # fmt: skip
                 continue
             m = measured[batch]
-            weights, kv = floor_bytes(engine, batch, m["context"])
+            kv = kv_read_bytes(engine, batch, m["context"])
             rows.append({
                 "arch": arch, "graphs": graphs, "batch": batch, "context": context,
                 "mean_context": m["context"], "step_ms": m["step_ms"],
@@ -211,11 +221,10 @@ def bench_arch(folder: Path, arch: str, args: argparse.Namespace, bw: float) -> 
 def profile_arch(folder: Path, arch: str, args: argparse.Namespace, bw: float) -> dict:
     engine = engine_for(folder, args, graphs=True)
     context = args.contexts[0]
-    profiles = []
+    profiles, weights = [], multiplied_bytes(engine)
     for batch in args.batches:
         p = profile_steps(engine, batch, context)
-        weights, kv = floor_bytes(engine, batch, context)
-        p["floor_ms"] = (weights + kv) / bw * 1e3
+        p["floor_ms"] = (weights + kv_read_bytes(engine, batch, context)) / bw * 1e3
         print_profile(arch, p, p["floor_ms"])
         profiles.append(p)
     engine.close()
@@ -271,13 +280,8 @@ def profile_steps(engine: LLMEngine, batch: int, context: int, steps: int = 20) 
     calls. Wall minus kernel time is the step's time with the GPU idle."""
     from torch.profiler import ProfilerActivity, profile
 
-    params = SamplingParams(max_tokens=LONG_GENERATION, temperature=0, ignore_eos=True)
     ids = [f"prof-{i}" for i in range(batch)]
-    prompts = random_ids(batch, context, engine.model_config.vocab_size, seed=2)
-    for request_id, prompt in zip(ids, prompts, strict=True):
-        engine.add_request(request_id, prompt, params)
-    while (s := engine.snapshot()).num_waiting or s.queued_prefill_tokens:
-        engine.step()
+    start_decoding(engine, ids, context, seed=2)
     for _ in range(WARM_STEPS + 1):
         engine.step()
     cuda = engine.config.device.startswith("cuda")
