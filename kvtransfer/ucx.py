@@ -73,9 +73,18 @@ class UcxPending:
 class UcxChannel:
     """One thread at a time posts on a channel: the tag sequence is the posting order."""
 
-    def __init__(self, worker: UcxWorker, endpoint, lifeline: socket.socket, tag: int, key: str):
+    def __init__(
+        self,
+        worker: UcxWorker,
+        endpoint,
+        lifeline: socket.socket,
+        tag: int,
+        key: str,
+        peer_error_handling: bool,
+    ):
         self.worker = worker
         self.endpoint = endpoint
+        self.peer_error_handling = peer_error_handling
         self.lifeline = lifeline
         self.lifeline_fd = lifeline.fileno()
         self.key = key
@@ -124,15 +133,22 @@ class UcxChannel:
         healthy = self.error is None
         self.error = self.error or "channel closed"
         self.worker.hang_up(self)
-        # Closing the endpoint also cancels what is still posted on it (the receives of a
-        # channel given up on a deadline), so their requests complete and their buffers can
-        # go. Not once UCX has found the peer gone: that endpoint has failed its requests
-        # already, and closing it crashes ucxx.
-        if healthy or self.endpoint.alive:
+        if healthy:
             closing = self.endpoint.close()
-            if healthy:
-                with contextlib.suppress(TransferError):  # flush what this side sent
-                    self.worker.wait(closing, None, 1.0, None)
+            with contextlib.suppress(TransferError):  # flush what this side sent
+                self.worker.wait(closing, None, 1.0, None)
+        elif self.endpoint.alive and self.peer_error_handling:
+            # What is still posted (the receives of a channel given up on a deadline) must be
+            # cancelled, so their requests complete and their buffers can go. ucxx's
+            # non-blocking close leaves them posted; its blocking one cancels them, and with
+            # peer error handling closes without waiting for the peer.
+            self.worker.close_blocking(self.endpoint)
+        elif self.endpoint.alive:
+            # Without peer error handling the blocking close flushes first, which a stopped
+            # peer could hold up for good: close without waiting (receives stay posted until
+            # a message or the peer's close ends them). Not at all once UCX has found the peer
+            # gone: that endpoint has failed its requests already, and closing it crashes ucxx.
+            self.endpoint.close()
         self.lifeline.close()
         self.endpoint = None
 
@@ -202,7 +218,9 @@ class UcxTransport:
         except (OSError, TransferError) as err:
             lifeline.close()
             raise TransferError(f"channel {key!r} did not open: {err}") from err
-        return UcxChannel(self.worker, endpoint, lifeline, offer["tag"], key)
+        return UcxChannel(
+            self.worker, endpoint, lifeline, offer["tag"], key, self.peer_error_handling
+        )
 
     def accept(self, rendezvous: TCPStore, key: str, timeout: float) -> UcxChannel:
         deadline = time.monotonic() + timeout
@@ -228,7 +246,7 @@ class UcxTransport:
         except (OSError, TransferError) as err:
             lifeline.close()
             raise TransferError(f"channel {key!r} did not open: {err}") from err
-        return UcxChannel(self.worker, endpoint, lifeline, tag, key)
+        return UcxChannel(self.worker, endpoint, lifeline, tag, key, self.peer_error_handling)
 
 
 def _read_offer(rendezvous: Endpoint, key: str, timeout: float) -> dict:

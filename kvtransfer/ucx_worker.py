@@ -134,10 +134,16 @@ class UcxWorker:
         self._fds.register(channel.lifeline_fd, select.EPOLLIN | select.EPOLLRDHUP)
 
     def unwatch(self, channel: Watched) -> None:
+        # Under the lock: the channel's close waits for it before it closes the fd.
         with self._lock:
-            if self._watched.pop(channel.lifeline_fd, None) is None:
-                return
-        self._fds.unregister(channel.lifeline_fd)
+            if self._watched.pop(channel.lifeline_fd, None) is not None:
+                self._fds.unregister(channel.lifeline_fd)
+
+    def close_blocking(self, endpoint) -> None:
+        """ucxx's blocking close: it cancels the endpoint's posted requests and progresses
+        the worker itself, so no other thread may progress it meanwhile."""
+        with self._driving:
+            endpoint.close_blocking()
 
     def hang_up(self, channel: Watched) -> None:
         """Wakes every thread waiting on `channel`, which then sees its failure."""
