@@ -44,16 +44,20 @@ _held: list[int] = []  # the write end, open for the life of the process
 
 
 def descendants(root: int) -> dict[int, str]:
-    """Every live descendant of `root`: pid -> its start time (from /proc/PID/stat)."""
+    """Every live descendant of `root`: pid -> its start time (from /proc/PID/stat). Plain
+    os calls and bytes: a scan reads every process's stat twice a second beside a busy engine
+    (pathlib and text decoding made it 4 ms, ~1% of a core)."""
     children: dict[int, list[int]] = {}
     started: dict[int, str] = {}
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
             continue
         with contextlib.suppress(OSError, IndexError):
-            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-            children.setdefault(int(fields[1]), []).append(int(entry.name))
-            started[int(entry.name)] = fields[19]
+            with open(f"/proc/{name}/stat", "rb") as stat:
+                fields = stat.read().rsplit(b")", 1)[1].split()
+            pid = int(name)
+            children.setdefault(int(fields[1]), []).append(pid)
+            started[pid] = fields[19].decode()
     found, todo = {}, list(children.get(root, []))
     while todo:
         pid = todo.pop()
