@@ -143,7 +143,15 @@ class UcxWorker:
         """ucxx's blocking close: it cancels the endpoint's posted requests and progresses
         the worker itself, so no other thread may progress it meanwhile."""
         with self._driving:
+            self._in_device_context()
             endpoint.close_blocking()
+
+    def _in_device_context(self) -> None:
+        if self.device.type == "cuda" and not getattr(self._local, "in_context", False):
+            # UCX's CUDA transports need the device's context current on the progressing thread.
+            torch.cuda.set_device(self.device)
+            torch.cuda.synchronize(self.device)
+            self._local.in_context = True
 
     def hang_up(self, channel: Watched) -> None:
         """Wakes every thread waiting on `channel`, which then sees its failure."""
@@ -207,11 +215,7 @@ class UcxWorker:
     def _drive(self, request, seconds: float) -> None:
         """Progresses until `request` (if any) completes, one of our fds fires, or `seconds`
         pass. The hot loop of every transfer: keep it lean."""
-        if self.device.type == "cuda" and not getattr(self._local, "in_context", False):
-            # UCX's CUDA transports need the device's context current on the progressing thread.
-            torch.cuda.set_device(self.device)
-            torch.cuda.synchronize(self.device)
-            self._local.in_context = True
+        self._in_device_context()
         own_waiter = 0 if request is None else 1
         end = time.monotonic() + seconds
         while True:
