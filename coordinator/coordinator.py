@@ -418,7 +418,7 @@ class Coordinator:
                 request.queue_seconds = result.queue_seconds
             if request.accept_prompt(result.prompt_logprobs):  # (held updates, if any)
                 self._stop_on(route.decode_id, work.request_id)
-            if result.token_id not in request.params.stop_ids(self.eos_ids) and (
+            if not request.params.stops_at(result.token_id, self.eos_ids) and (
                 request.accept_first(len(work.output_ids), result.token_id, result.logprobs)
             ):  # a stop string in the first token: the decode worker must stop it too
                 self._stop_on(route.decode_id, work.request_id)
