@@ -137,17 +137,18 @@ class UcxChannel:
             closing = self.endpoint.close()
             with contextlib.suppress(TransferError):  # flush what this side sent
                 self.worker.wait(closing, None, 1.0, None)
-        elif self.endpoint.alive and self.peer_error_handling:
+        elif not self.endpoint.alive:
+            pass  # UCX found the peer gone and failed what was posted; closing it crashes ucxx
+        elif self.peer_error_handling:
             # What is still posted (the receives of a channel given up on a deadline) must be
             # cancelled, so their requests complete and their buffers can go. ucxx's
             # non-blocking close leaves them posted; its blocking one cancels them, and with
             # peer error handling closes without waiting for the peer.
             self.worker.close_blocking(self.endpoint)
-        elif self.endpoint.alive:
+        else:
             # Without peer error handling the blocking close flushes first, which a stopped
             # peer could hold up for good: close without waiting (receives stay posted until
-            # a message or the peer's close ends them). Not at all once UCX has found the peer
-            # gone: that endpoint has failed its requests already, and closing it crashes ucxx.
+            # a message or the peer's close ends them).
             self.endpoint.close()
         self.lifeline.close()
         self.endpoint = None
