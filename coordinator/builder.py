@@ -372,7 +372,7 @@ class WorkerSpawner:
             cuda_graphs=self.engine.cuda_graphs and pool != "prefill",
         )
         self.worker_ranks[worker_id] = engine.tensor_parallel_size
-        args = (worker_id, engine, self.kv_transport(), self.deploy.transfer_timeout)
+        args = (worker_id, engine, self.deploy.kv_transport, self.deploy.transfer_timeout)
         options = self._options(None if pool == "colocated" else pool)
         placement = self._place_ranks(worker_id, engine.tensor_parallel_size, options)
         role = "prefill" if pool == "prefill" else "decode"
@@ -517,14 +517,6 @@ class WorkerSpawner:
             n * worker_bytes(replace(self.engine, tensor_parallel_size=self.tensor_parallel(pool)))
             for pool, n in counts.items()
         )
-
-    def kv_transport(self) -> str:
-        """The deployment's transport; `auto` is gloo where workers share GPUs (NCCL refuses two
-        ranks of one communicator on one device), else the worker's own pick (nccl on CUDA)."""
-        sharing = self.engine.device.startswith("cuda") and self.deploy.gpus_per_worker < 1
-        if self.deploy.kv_transport == "auto" and sharing:
-            return "gloo"
-        return self.deploy.kv_transport
 
     def _options(self, pool: str | None) -> dict[str, Any]:
         options: dict[str, Any] = {"max_restarts": 0, "num_cpus": self.num_cpus}

@@ -18,7 +18,11 @@
 # against the bandwidth floor, CUDA graphs against eager, 256 x 1k/256 throughput, on
 # `tandem make-model` folders of Llama-3.2-1B and Llama-3.1-8B written under /tmp;
 # kernels: benchmarks/kernels.py, each Triton kernel against torch at Llama-3-8B shapes;
-# tests: every test marked gpu (the Triton kernels against their torch references, the engine
+# kvtransfer: benchmarks/kv_transfer.py --device cuda (KVT_ARGS added): KV between two processes
+# on the one GPU per transport (default ipc) against the device's copy rate, the TTFT
+# disaggregation adds at 1k/4k/16k prompt tokens on Llama-3.2-1B (KVT_ARCH), and the mixed
+# load's ITL (20% of requests with 4k-token prompts), colocated against 1P1D;
+# tests: every test marked gpu in TESTS (default: every file with one; the Triton kernels against their torch references, the engine
 # against transformers, CUDA graphs against eager steps, pools sharing the GPU, sampling);
 # profile: `tandem serve` 1P1D on the GPU under `tandem bench` (CONCURRENCY's first value), each
 # worker process sampled by py-spy for PROFILE_S seconds (raw folded stacks, idle frames too):
@@ -82,13 +86,25 @@ for step in $STEPS; do
             tee "$OUT/engine-cuda.log"
         status=$((status | PIPESTATUS[0]))
         ;;
+    kvtransfer)
+        # shellcheck disable=SC2086
+        timeout -s INT -k 20 "${KVT_S:-200}" python3 benchmarks/kv_transfer.py --device cuda \
+            --arch ${KVT_ARCH:-llama-3.2-1b} --transports ${KVT_TRANSPORTS:-ipc} --repeats 2 \
+            --num-short 40 --short-output 512 --num-long 10 --long-len 4096 --long-every 0.1 \
+            --json "$OUT/kv-transfer-cuda.json" ${KVT_ARGS:-} 2>&1 | tee "$OUT/kv-transfer-cuda.log"
+        status=$((status | PIPESTATUS[0]))
+        ;;
     kernels)
         timeout -s INT -k 20 "${KERNELS_S:-120}" python3 benchmarks/kernels.py \
             --json "$OUT/kernels.json" 2>&1 | tee "$OUT/kernels.log"
         status=$((status | PIPESTATUS[0]))
         ;;
     tests)
-        mapfile -t files < <(grep -rl "mark.gpu" tests)
+        if [ -n "${TESTS:-}" ]; then
+            read -ra files <<<"$TESTS"
+        else
+            mapfile -t files < <(grep -rl "mark.gpu" tests)
+        fi
         # each failure's traceback lands in gpu-failures.log at once (tests/conftest.py)
         TANDEM_FAILURE_LOG="$OUT/gpu-failures.log" \
             timeout -s INT -k 20 "${TESTS_S:-240}" python3 -m pytest -q -rf -m gpu -p no:cacheprovider \
@@ -97,7 +113,7 @@ for step in $STEPS; do
         status=$((status | PIPESTATUS[0]))
         ;;
     *)
-        echo "gpu_run: unknown step $step (bench, eager, engine, kernels, profile, tests)" >&2
+        echo "gpu_run: unknown step $step (bench, eager, engine, kernels, kvtransfer, profile, tests)" >&2
         exit 2
         ;;
     esac

@@ -3,5 +3,6 @@ choices without loading torch. `kvtransfer.transport.register` refuses any other
 
 from __future__ import annotations
 
-# gloo and nccl: kvtransfer/torch_dist.py; ucx*: kvtransfer/ucx.py (needs the ucxx package).
-TRANSPORT_NAMES = ("gloo", "nccl", "ucx", "ucx-shm", "ucx-tcp")
+# gloo and nccl: kvtransfer/torch_dist.py; ipc: kvtransfer/ipc.py; ucx*: kvtransfer/ucx.py
+# (needs the ucxx package).
+TRANSPORT_NAMES = ("gloo", "nccl", "ipc", "ucx", "ucx-shm", "ucx-tcp")

@@ -150,6 +150,7 @@ def connect_within(transport: Transport, rendezvous: Endpoint, key: str, timeout
 
 
 TRANSPORTS: dict[str, Callable[[torch.device], Transport]] = {}
+CUDA_AUTO = "ipc/nccl"  # `auto` on CUDA; a worker's follower ranks make theirs by this name
 
 
 def register(name: str) -> Callable:
@@ -163,11 +164,15 @@ def register(name: str) -> Callable:
 
 
 def make_transport(name: str, device: torch.device) -> Transport:
-    """`auto` picks nccl for CUDA and gloo otherwise."""
+    """`auto`: gloo on CPU; on CUDA, CUDA IPC between two workers on one device and NCCL
+    between devices (decided per channel, when it opens)."""
+    import kvtransfer.ipc
     import kvtransfer.torch_dist  # noqa: F401  (registers gloo and nccl)
 
+    if name in ("auto", CUDA_AUTO) and device.type == "cuda":  # CUDA_AUTO: what it is named
+        return kvtransfer.ipc.IpcTransport(device, fallback=TRANSPORTS["nccl"](device))
     if name == "auto":
-        name = "nccl" if device.type == "cuda" else "gloo"
+        name = "gloo"
     if name.startswith("ucx"):
         import kvtransfer.ucx  # noqa: F401  (ucx, ucx-shm, ucx-tcp; needs the ucxx package)
     if name not in TRANSPORTS:

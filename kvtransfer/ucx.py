@@ -26,14 +26,14 @@ from __future__ import annotations
 import contextlib
 import os
 import socket
-import struct
 import time
 
 import msgpack
 import torch
 from torch.distributed import TCPStore
 
-from kvtransfer.transport import TransferError, dial_store, register
+from kvtransfer.sockets import keep_alive, left, listener, read_offer, recv_message, send_message
+from kvtransfer.transport import TransferError, register
 from kvtransfer.ucx_worker import GRACE, UcxWorker
 from protocol.kv import Endpoint
 
@@ -205,16 +205,16 @@ class UcxTransport:
 
     def connect(self, rendezvous: Endpoint, key: str, timeout: float) -> UcxChannel:
         deadline = time.monotonic() + timeout
-        offer = _read_offer(rendezvous, key, timeout)
+        offer = read_offer(rendezvous, f"{key}/ucx", timeout)
         try:
-            lifeline = socket.create_connection((rendezvous.host, offer["port"]), _left(deadline))
+            lifeline = socket.create_connection((rendezvous.host, offer["port"]), left(deadline))
         except OSError as err:
             raise TransferError(f"cannot reach the lifeline of channel {key!r}: {err}") from err
         try:
-            _keep_alive(lifeline)
-            _send_message(lifeline, self.worker.address, deadline)
+            keep_alive(lifeline)
+            send_message(lifeline, self.worker.address, deadline)
             endpoint = self.worker.endpoint(offer["address"], self.peer_error_handling)
-            if _recv_message(lifeline, deadline) != b"ready":
+            if recv_message(lifeline, deadline) != b"ready":
                 raise TransferError(f"channel {key!r}: bad handshake")
         except (OSError, TransferError) as err:
             lifeline.close()
@@ -227,78 +227,27 @@ class UcxTransport:
         deadline = time.monotonic() + timeout
         tag = self.worker.new_tag()
         try:
-            with _listener() as server:
+            with listener() as server:
                 offer = {
                     "address": self.worker.address,
                     "port": server.getsockname()[1],
                     "tag": tag,
                 }
                 rendezvous.set(f"{key}/ucx", msgpack.packb(offer))
-                server.settimeout(_left(deadline))
+                server.settimeout(left(deadline))
                 lifeline, _ = server.accept()
         except OSError as err:  # socket.timeout included
             raise TransferError(f"channel {key!r}: no peer connected: {err}") from err
         try:
-            _keep_alive(lifeline)
-            peer = _recv_message(lifeline, deadline)
+            keep_alive(lifeline)
+            peer = recv_message(lifeline, deadline)
             endpoint = self.worker.endpoint(peer, self.peer_error_handling)
-            _send_message(lifeline, b"ready", deadline)
+            send_message(lifeline, b"ready", deadline)
             rendezvous.delete_key(f"{key}/ucx")
         except (OSError, TransferError) as err:
             lifeline.close()
             raise TransferError(f"channel {key!r} did not open: {err}") from err
         return UcxChannel(self.worker, endpoint, lifeline, tag, key, self.peer_error_handling)
-
-
-def _read_offer(rendezvous: Endpoint, key: str, timeout: float) -> dict:
-    store = dial_store(rendezvous, timeout)
-    try:
-        return msgpack.unpackb(store.get(f"{key}/ucx"))
-    except RuntimeError as err:  # no accept in time
-        raise TransferError(f"channel {key!r}: no offer at {rendezvous}: {err}") from err
-
-
-def _listener() -> socket.socket:
-    if socket.has_dualstack_ipv6():
-        return socket.create_server(("", 0), family=socket.AF_INET6, dualstack_ipv6=True)
-    return socket.create_server(("", 0))
-
-
-def _keep_alive(sock: socket.socket) -> None:
-    """A peer host that vanishes without closing the connection is noticed in ~10 s."""
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
-    if hasattr(socket, "TCP_KEEPIDLE"):
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE, 4)
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL, 2)
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT, 3)
-
-
-def _send_message(sock: socket.socket, body: bytes, deadline: float) -> None:
-    sock.settimeout(_left(deadline))
-    sock.sendall(struct.pack("<I", len(body)) + body)
-
-
-def _recv_message(sock: socket.socket, deadline: float) -> bytes:
-    sock.settimeout(_left(deadline))
-    (length,) = struct.unpack("<I", _recv_exactly(sock, 4))
-    return _recv_exactly(sock, length)
-
-
-def _recv_exactly(sock: socket.socket, n: int) -> bytes:
-    data = b""
-    while len(data) < n:
-        chunk = sock.recv(n - len(data))
-        if not chunk:
-            raise TransferError("peer closed the lifeline during the handshake")
-        data += chunk
-    return data
-
-
-def _left(deadline: float) -> float:
-    left = deadline - time.monotonic()
-    if left <= 0:
-        raise TransferError("timed out opening the channel")
-    return left
 
 
 def _with_device_tls(device: torch.device, tls: str, cuda_tls: str) -> str:

@@ -105,7 +105,7 @@ class WorkerStats:
     kv_stale_frames: int = 0  # frames and payloads of attempts no longer expected (decode)
     kv_channels_open: int = 0  # prefill: sender lanes; decode: receiver threads (rank 0's)
     requests_prefilled_locally: int = 0
-    kv_transport: str = ""  # gloo | nccl | ucx; empty where nothing moves
+    kv_transport: str = ""  # its name (gloo, ipc/nccl, ucx...); empty where nothing moves
     stale: bool = False  # the worker missed its last report; these are older values
     engine_busy_seconds: float = 0.0  # time its engine thread spent inside step()
     engine_step_count: int = 0

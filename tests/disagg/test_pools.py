@@ -57,14 +57,25 @@ def run_all(loop, client, prompts, params=GREEDY, tag="r") -> list[list[int]]:
 def test_pools_on_one_gpu_equal_transformers(
     tiny_llama, build_pool, loop, prompts, expected, mode
 ) -> None:
-    """Workers on CUDA sharing one GPU (half each): 1P1D moves every layer's KV from GPU to
-    GPU through host memory over gloo, as `--gpus-per-worker 0.5` deploys it."""
+    """Workers on CUDA sharing one GPU (half each), as `--gpus-per-worker 0.5` deploys them:
+    1P1D moves every layer's KV from GPU to GPU over CUDA IPC (`auto`), exactly the KV of the
+    prompts the decode worker did not prefill itself."""
     build_pool.stop_all()  # the one GPU holds one such pool at a time
+    threshold = 20
     client = build_pool(
         tiny_llama, engine_options={"device": "cuda"}, mode=mode, num_prefill=1, num_decode=1,
-        gpus_per_worker=0.5,
+        gpus_per_worker=0.5, local_prefill_threshold=threshold,
     )  # fmt: skip
     assert run_all(loop, client, prompts) == expected
+    if mode == "colocated":
+        return
+    decode = ray.get(client.decode["decode-0"].stats.remote(), timeout=10)
+    prefill = ray.get(client.prefill["prefill-0"].stats.remote(), timeout=10)
+    assert decode.kv_transport == prefill.kv_transport == "ipc/nccl"
+    long_tokens = sum(len(p) for p in prompts if len(p) >= threshold)
+    cfg = ModelConfig.from_pretrained(tiny_llama)
+    per_token = cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * 4  # float32 K and V
+    assert prefill.kv_transfer_bytes == decode.kv_transfer_bytes == long_tokens * per_token
 
 
 @pytest.mark.parametrize("num_prefill,num_decode", [(1, 1), (2, 1), (1, 2)])

@@ -16,6 +16,7 @@ needs_ucxx = pytest.mark.skipif(
 )
 TRANSPORTS = [
     pytest.param("gloo", id="gloo"),
+    pytest.param("ipc", id="ipc"),
     pytest.param("ucx-shm", id="ucx-shm", marks=needs_ucxx),
     pytest.param("ucx-tcp", id="ucx-tcp", marks=needs_ucxx),
 ]

@@ -1,0 +1,124 @@
+"""The ipc transport's own rules (its Channel contract runs with every transport's, in
+test_transports.py): a pair on two devices or hosts opens its fallback's channel instead, or fails
+clearly without one; `auto` picks it on CUDA; the shared file is gone once the channel is open;
+a message larger than the ring goes through it piece by piece."""
+
+from __future__ import annotations
+
+import os
+import threading
+
+import pytest
+import torch
+
+import kvtransfer.ipc as ipc
+from kvtransfer.ipc import IpcChannel, IpcTransport
+from kvtransfer.torch_dist import ProcessGroupChannel
+from kvtransfer.transport import Rendezvous, TransferError, make_transport
+
+CPU = torch.device("cpu")
+
+
+def open_pair(sending, receiving, key: str = "p0->d0#0"):
+    rendezvous, accepted = Rendezvous("127.0.0.1"), {}
+
+    def accept() -> None:
+        try:
+            accepted["rx"] = receiving.accept(rendezvous.store, key, 20)
+        except TransferError as err:
+            accepted["error"] = err
+
+    thread = threading.Thread(target=accept, daemon=True)
+    thread.start()
+    try:
+        tx = sending.connect(rendezvous.endpoint, key, 20)
+    finally:
+        thread.join(20)
+    return tx, accepted
+
+
+@pytest.fixture
+def two_devices(monkeypatch):
+    """Each thread reads as its own device: the accepting thread and the connecting one."""
+    monkeypatch.setattr(ipc, "_device_id", lambda device: threading.current_thread().name)
+
+
+def test_a_pair_on_two_devices_opens_the_fallbacks_channel(two_devices) -> None:
+    gloo = make_transport("gloo", CPU)
+    tx, accepted = open_pair(IpcTransport(CPU, fallback=gloo), IpcTransport(CPU, fallback=gloo))
+    rx = accepted["rx"]
+    assert isinstance(tx, ProcessGroupChannel) and isinstance(rx, ProcessGroupChannel)
+    sent, got = torch.arange(100, dtype=torch.int64), torch.empty(100, dtype=torch.int64)
+    pending = rx.recv_async(got)
+    tx.send(sent, 10)
+    pending.wait(10)
+    assert torch.equal(got, sent)
+    tx.close(), rx.close()
+
+
+def test_without_a_fallback_a_pair_on_two_devices_is_a_clear_error(two_devices) -> None:
+    with pytest.raises(TransferError, match="one host and one device"):
+        open_pair(IpcTransport(CPU), IpcTransport(CPU))
+
+
+def test_auto_is_ipc_with_nccl_between_devices_on_cuda_and_gloo_on_cpu() -> None:
+    assert make_transport("auto", torch.device("cuda")).name == "ipc/nccl"
+    assert make_transport("auto", CPU).name == "gloo"
+
+
+def test_the_shared_file_is_gone_once_the_channel_is_open(monkeypatch) -> None:
+    made = []
+    lend = ipc._lend_ring
+
+    def recording(*args):
+        ring, lent = lend(*args)
+        made.append(lent["path"])
+        return ring, lent
+
+    monkeypatch.setattr(ipc, "_lend_ring", recording)
+    tx, accepted = open_pair(IpcTransport(CPU), IpcTransport(CPU))
+    assert isinstance(tx, IpcChannel)
+    assert made and not os.path.exists(made[0])
+    tx.close(), accepted["rx"].close()
+
+
+def test_a_message_larger_than_the_ring_arrives_whole() -> None:
+    """Three slots of 1 MiB and messages of up to 7.5 MiB: the sender waits for slots the
+    receiver empties; pieces and messages stay in order."""
+    transport = IpcTransport(CPU, slots=3, slot_bytes=1 << 20)
+    tx, accepted = open_pair(transport, IpcTransport(CPU, slots=3, slot_bytes=1 << 20))
+    rx = accepted["rx"]
+    sent = [torch.randint(0, 255, (n,), dtype=torch.uint8) for n in (15 << 19, 100, 3 << 20)]
+    targets = [torch.empty_like(t) for t in sent]
+    posted = [rx.recv_async(t) for t in targets]
+    for op in [*(tx.send_async(t) for t in sent), *posted]:
+        op.wait(10)
+    assert all(torch.equal(a, b) for a, b in zip(targets, sent, strict=True))
+    tx.close(), rx.close()
+
+
+def test_a_lost_message_breaks_the_channel_and_a_duplicate_is_dropped() -> None:
+    tx, accepted = open_pair(IpcTransport(CPU), IpcTransport(CPU))
+    rx = accepted["rx"]
+    first, again = torch.full((8,), 1), torch.full((8,), 2)
+    tx.send_async(first)
+    tx.send_again(again)  # a duplicate of message 0: read and dropped
+    tx.send_async(torch.full((8,), 3))
+    got = torch.empty(8, dtype=torch.int64)
+    rx.recv(got, 10)
+    assert got.tolist() == [1] * 8
+    rx.recv(got, 10)
+    assert got.tolist() == [3] * 8
+    tx.skip_message()
+    tx.send_async(torch.full((8,), 4))
+    with pytest.raises(TransferError, match="lost"):
+        rx.recv(got, 10)
+    with pytest.raises(TransferError, match="broken"):
+        rx.recv_async(got)
+    tx.close(), rx.close()
+
+
+def test_the_cuda_auto_is_made_again_by_its_name() -> None:
+    """Tensor-parallel followers make their transport from the leader's `transport.name`."""
+    cuda = torch.device("cuda")
+    assert make_transport(make_transport("auto", cuda).name, cuda).name == "ipc/nccl"
