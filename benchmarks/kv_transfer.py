@@ -134,18 +134,33 @@ def _decode_main(config: EngineConfig, transport_name: str, raw_bytes: int, conn
                     conn.send(decode.reserve(*arg).result(TIMEOUT))
                 elif command == "updates":  # admitted and finished at once (max_tokens=1)
                     conn.send(len(decode.take_updates(timeout=5)))
-                elif command == "raw":  # post the receive, answer, then wait for the bytes
+                elif command == "raw":  # post the receives, answer, then wait for the bytes
                     accepting.join(TIMEOUT)
-                    arriving = raw["rx"].recv_async(target)
-                    conn.send("posted")
-                    arriving.wait(TIMEOUT)
-                    if device.type == "cuda":
-                        torch.cuda.synchronize()
-                    conn.send(time.perf_counter())  # one clock for both processes (monotonic)
+                    conn.send(_receive_layers(raw["rx"], target, arg, conn))
             except Exception as err:  # noqa: BLE001  (handed to the driver, which raises it)
                 conn.send(RuntimeError(f"decode process: {err!r}"))
     finally:
         decode.shutdown()
+
+
+def _receive_layers(channel, target: torch.Tensor, layers: int, conn) -> float:
+    """Receives `layers` payloads into `target`'s equal parts, or in place where the channel
+    lends its own memory (ipc: as the decode worker receives them); returns when the last was
+    in place, by the clock both processes share (monotonic)."""
+    part = target.numel() // layers
+    lend = getattr(channel, "recv_lent_async", None)
+    posted = []
+    for i in range(layers):
+        lent = lend((part,), target.dtype) if lend is not None else None
+        posted.append(lent or channel.recv_async(target[i * part : (i + 1) * part]))
+    conn.send("posted")
+    for pending in posted:
+        pending.wait(TIMEOUT)
+        if getattr(pending, "tensor", None) is not None:
+            pending.release()
+    if target.is_cuda:
+        torch.cuda.synchronize()
+    return time.perf_counter()
 
 
 def measure_transfer(
@@ -179,7 +194,8 @@ def measure_transfer(
                 if mode == "alone":
                     run = _prefill_alone(alone_engine, prompt, device)
                 elif mode == "raw":
-                    run = _raw_send(raw_tx, source, decode, device)
+                    layers = alone_engine.model_config.num_layers
+                    run = _raw_send(raw_tx, source, decode, device, layers)
                 else:
                     run = _remote_prefill(prefills[mode], decode, prompt, f"{mode}{i}")
                 if i > 0:
@@ -231,15 +247,21 @@ def _prefill_alone(engine, prompt: list[int], device: str) -> float:
     return time.perf_counter() - start
 
 
-def _raw_send(channel, source: torch.Tensor, decode: DecodeProcess, device: str) -> float:
-    """Seconds from the send to the bytes being in the decode process's buffer, by the clock
-    both processes share (on a GPU the receive's copies are waited for there)."""
-    if decode.call("raw") != "posted":
-        raise RuntimeError("the decode process did not post its receive")
+def _raw_send(
+    channel, source: torch.Tensor, decode: DecodeProcess, device: str, layers: int
+) -> float:
+    """Seconds from the first send to the bytes being in the decode process, by the clock both
+    processes share: the prompt's KV as its layers' payloads, back to back, as the layered
+    transfer sends them (on a GPU the receive's copies are waited for there)."""
+    if decode.call("raw", layers) != "posted":
+        raise RuntimeError("the decode process did not post its receives")
     if device == "cuda":
         torch.cuda.synchronize()
+    part = source.numel() // layers
     start = time.perf_counter()
-    channel.send(source, TIMEOUT)
+    sends = [channel.send_async(source[i * part : (i + 1) * part]) for i in range(layers)]
+    for pending in sends:
+        pending.wait(TIMEOUT)
     return decode.answer() - start  # when the last byte was in place
 
 

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import math
 import mmap
 import os
 import pickle
@@ -53,11 +54,11 @@ from protocol.kv import Endpoint
 
 HEADER = struct.Struct("<QQ")  # message number, bytes
 PIECE = struct.Struct("<Q")  # bytes of a piece now in its slot
-INLINE_BYTES = 64 << 10  # messages up to this size travel on the socket itself
+INLINE_BYTES = 64 << 10  # by default messages up to this size travel on the socket itself
 SEQ_MASK = (1 << 64) - 1
 # The sender's ring per channel: four slots, so the sender fills one while the receiver
 # empties another. On a GPU this comes on top of the KV cache (--gpu-memory-utilization).
-GPU_SLOT_BYTES = 32 << 20
+GPU_SLOT_BYTES = 64 << 20  # one layer's payload of a 16k-token prompt on an 8B model
 CPU_SLOT_BYTES = 4 << 20
 SLOTS = 4
 
@@ -87,56 +88,59 @@ def _device_id(device: torch.device) -> str:
 
 class _Ring:
     """`slots` buffers of `slot_bytes`, back to back in one uint8 tensor; `keep` holds what
-    the tensor's memory lives on (the mapping of the shared file on CPU)."""
+    the tensor's memory lives on (the mapping of the shared file on CPU). Messages up to
+    `inline_bytes` bypass it (both ends take the sender's value)."""
 
-    def __init__(self, tensor: torch.Tensor, slots: int, slot_bytes: int, keep=None) -> None:
-        self.tensor, self.slots, self.slot_bytes, self.keep = tensor, slots, slot_bytes, keep
+    def __init__(self, tensor: torch.Tensor, layout: dict, keep: object | None = None) -> None:
+        self.tensor, self.keep = tensor, keep
+        self.slots, self.slot_bytes = layout["slots"], layout["slot_bytes"]
+        self.inline_bytes: int = layout["inline_bytes"]
 
     def slot(self, piece: int, nbytes: int) -> torch.Tensor:
         start = (piece % self.slots) * self.slot_bytes
         return self.tensor[start : start + nbytes]
 
 
-def _lend_ring(device: torch.device, slots: int, slot_bytes: int) -> tuple[_Ring, dict]:
+def _lend_ring(device: torch.device, layout: dict) -> tuple[_Ring, dict]:
     """A new ring on `device` and how a peer process maps it (msgpack-able); `_forget_ring`
     once the peer has mapped it or failed to."""
     token = uuid.uuid4().hex
+    size = layout["slots"] * layout["slot_bytes"]
     if device.type == "cuda":
-        tensor = torch.empty(slots * slot_bytes, dtype=torch.uint8, device=device)
+        tensor = torch.empty(size, dtype=torch.uint8, device=device)
         from torch.multiprocessing.reductions import reduce_tensor
 
         rebuild, args = reduce_tensor(tensor)
-        ring, how = _Ring(tensor, slots, slot_bytes), {"cuda": pickle.dumps((rebuild, args))}
+        ring, how = _Ring(tensor, layout), {"cuda": pickle.dumps((rebuild, args))}
     else:
         folder = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
         path = os.path.join(folder, f"tandem-kv-{token}")
         fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
         try:
-            os.ftruncate(fd, slots * slot_bytes)
-            mapped = mmap.mmap(fd, slots * slot_bytes)
+            os.ftruncate(fd, size)
+            mapped = mmap.mmap(fd, size)
         finally:
             os.close(fd)
         tensor = torch.frombuffer(mapped, dtype=torch.uint8)
-        ring, how = _Ring(tensor, slots, slot_bytes, mapped), {"path": path}
+        ring, how = _Ring(tensor, layout, mapped), {"path": path}
     _LOCAL_RINGS[token] = tensor
-    return ring, {"token": token, "slots": slots, "slot_bytes": slot_bytes, **how}
+    return ring, {"token": token, **layout, **how}
 
 
 def _map_ring(offer: dict) -> _Ring:
     """The receiver's view of the sender's ring."""
-    slots, slot_bytes = offer["slots"], offer["slot_bytes"]
     local = _LOCAL_RINGS.get(offer["token"])
     if local is not None:
-        return _Ring(local, slots, slot_bytes)
+        return _Ring(local, offer)
     if "cuda" in offer:
         rebuild, args = pickle.loads(offer["cuda"])  # noqa: S301  (our own peer's offer)
-        return _Ring(rebuild(*args), slots, slot_bytes)
+        return _Ring(rebuild(*args), offer)
     fd = os.open(offer["path"], os.O_RDWR)
     try:
-        mapped = mmap.mmap(fd, slots * slot_bytes)
+        mapped = mmap.mmap(fd, offer["slots"] * offer["slot_bytes"])
     finally:
         os.close(fd)
-    return _Ring(torch.frombuffer(mapped, dtype=torch.uint8), slots, slot_bytes, mapped)
+    return _Ring(torch.frombuffer(mapped, dtype=torch.uint8), offer, mapped)
 
 
 def _forget_ring(offer: dict) -> None:
@@ -150,16 +154,29 @@ def _forget_ring(offer: dict) -> None:
 
 class IpcPending:
     """One posted send or receive; `finished` once the channel's thread is done with its
-    buffer (completed, failed or cancelled)."""
+    buffer (completed, failed or cancelled).
+
+    A lent receive (`IpcChannel.recv_lent_async`) has no buffer of its own: once waited for,
+    `tensor` is the ring's slot itself, the sender's bytes read in place, until `release()`."""
 
     def __init__(
-        self, channel: IpcChannel, flat: torch.Tensor, seq: int, copy: tuple | None = None
+        self,
+        channel: IpcChannel,
+        seq: int,
+        nbytes: int,
+        flat: torch.Tensor | None = None,
+        copy: tuple | None = None,
+        lent: tuple | None = None,
     ) -> None:
-        """`copy`: (staged, tensor) for a receive into a non-contiguous tensor: `flat` is the
-        bytes of `staged`, copied into `tensor` by the wait."""
-        self.channel, self.flat, self.seq, self.copy = channel, flat, seq, copy
+        """`flat`: the bytes sent or received into. `copy`: (staged, tensor) for a receive into
+        a non-contiguous tensor, copied over by the wait. `lent`: (shape, dtype) of a lent
+        receive."""
+        self.channel, self.seq, self.nbytes = channel, seq, nbytes
+        self.flat, self.copy, self.lent = flat, copy, lent
+        self.tensor: torch.Tensor | None = None
+        self.piece: int | None = None  # a lent receive's piece, credited on release
         self.ready: torch.cuda.Event | None = None
-        if flat.is_cuda:  # the channel's stream waits for what the poster queued before
+        if flat is not None and flat.is_cuda:  # the channel waits for what was queued before
             self.ready = torch.cuda.Event()
             self.ready.record()
         self.error: str | None = None
@@ -185,6 +202,13 @@ class IpcPending:
             tensor.copy_(staged)
             self.copy = None
 
+    def release(self) -> None:
+        """A lent receive is done with its slot (what read it has finished): the sender may
+        fill it again."""
+        if self.piece is not None:
+            piece, self.piece, self.tensor = self.piece, None, None
+            self.channel.credit(piece)
+
 
 class IpcChannel:
     """One direction: the sender's side sends, the receiver's receives. A thread per side
@@ -200,6 +224,10 @@ class IpcChannel:
         self._posted: queue.SimpleQueue[IpcPending | None] = queue.SimpleQueue()
         self._pieces = itertools.count()  # pieces through the ring so far: slot = n % slots
         self._free = ring.slots  # the sender's credits
+        # The receiver's credits go back in piece order (the sender refills the oldest slot
+        # first), so a piece emptied while an older one is still lent waits for it.
+        self._next_credit = 0
+        self._emptied: set[int] = set()
         role = "send" if sending else "recv"
         self._thread = threading.Thread(
             target=self._serve, args=(self._send if sending else self._recv,), daemon=True
@@ -214,13 +242,26 @@ class IpcChannel:
         self.recv_async(tensor).wait(timeout)
 
     def send_async(self, tensor: torch.Tensor) -> IpcPending:
-        return self._post(_flat_bytes(tensor.contiguous()), None)
+        flat = _flat_bytes(tensor.contiguous())
+        return self._post(flat.numel(), flat=flat)
 
     def recv_async(self, tensor: torch.Tensor) -> IpcPending:
         if tensor.is_contiguous():
-            return self._post(_flat_bytes(tensor), None)
+            flat = _flat_bytes(tensor)
+            return self._post(flat.numel(), flat=flat)
         staged = torch.empty_like(tensor, memory_format=torch.contiguous_format)
-        return self._post(_flat_bytes(staged), (staged, tensor))
+        flat = _flat_bytes(staged)
+        return self._post(flat.numel(), flat=flat, copy=(staged, tensor))
+
+    def recv_lent_async(self, shape: tuple[int, ...], dtype: torch.dtype) -> IpcPending | None:
+        """A receive read in place from the ring: the wait leaves the message in
+        `pending.tensor` ([shape] of dtype, on the ring's device) until `pending.release()`;
+        one copy a byte instead of two. None where the message would not lie in one slot
+        (larger than a slot, or small enough to travel on the socket): receive it as usual."""
+        nbytes = math.prod(shape) * dtype.itemsize
+        if nbytes <= self.ring.inline_bytes or nbytes > self.ring.slot_bytes:
+            return None
+        return self._post(nbytes, lent=(shape, dtype))
 
     def skip_message(self) -> None:
         """Tests only (kvtransfer/faults.py): the next message is lost on the wire."""
@@ -244,11 +285,25 @@ class IpcChannel:
         self._thread.join(timeout=5.0)
         self.sock.close()
 
-    def _post(self, flat: torch.Tensor, copy: tuple | None) -> IpcPending:
+    def credit(self, piece: int) -> None:
+        """The receiver emptied `piece`'s slot; credits the sender with every slot emptied in
+        order so far."""
+        with self._lock:
+            self._emptied.add(piece)
+            count = 0
+            while self._next_credit in self._emptied:
+                self._emptied.discard(self._next_credit)
+                self._next_credit += 1
+                count += 1
+            if count and self.error is None:
+                with contextlib.suppress(OSError):  # a broken channel needs no credits
+                    self.sock.sendall(b"\x01" * count)
+
+    def _post(self, nbytes: int, **what) -> IpcPending:
         with self._lock:
             if self.error is not None:
                 raise TransferError(f"channel {self.key!r} is broken: {self.error}")
-            pending = IpcPending(self, flat, self._seq, copy)
+            pending = IpcPending(self, self._seq, nbytes, **what)
             self._seq = (self._seq + 1) & SEQ_MASK
             self._posted.put(pending)
         return pending
@@ -270,11 +325,11 @@ class IpcChannel:
                 pending.end()
 
     def _send(self, pending: IpcPending) -> None:
-        flat, nbytes = pending.flat, pending.flat.numel()
+        flat, nbytes = pending.flat, pending.nbytes
         header = HEADER.pack(pending.seq, nbytes)
         if pending.ready is not None:
             torch.cuda.current_stream(self.device).wait_event(pending.ready)
-        if nbytes <= INLINE_BYTES:
+        if nbytes <= self.ring.inline_bytes:
             body = flat.cpu() if flat.is_cuda else flat  # .cpu() waits for the stream
             self.sock.sendall(header + memoryview(body.numpy()).tobytes())
             return
@@ -296,17 +351,23 @@ class IpcChannel:
             if (pending.seq - seq) & SEQ_MASK > (1 << 63):  # a later number: one was lost
                 raise TransferError(f"message {pending.seq} lost (message {seq} came first)")
             self._take(None, nbytes)  # a duplicate of one already received: dropped
-        if nbytes != pending.flat.numel():
+        if nbytes != pending.nbytes:
             raise TransferError(
-                f"message {seq} has {nbytes} bytes; its receive expects {pending.flat.numel()}"
+                f"message {seq} has {nbytes} bytes; its receive expects {pending.nbytes}"
             )
+        if pending.lent is not None:  # one piece, left in its slot until released
+            (size,) = PIECE.unpack(_recv_exactly(self.sock, PIECE.size))
+            shape, dtype = pending.lent
+            pending.piece = next(self._pieces)
+            pending.tensor = self.ring.slot(pending.piece, size).view(dtype).view(shape)
+            return
         if pending.ready is not None:
             torch.cuda.current_stream(self.device).wait_event(pending.ready)
         self._take(pending.flat, nbytes)
 
     def _take(self, flat: torch.Tensor | None, nbytes: int) -> None:
         """Reads a message's body into `flat` (None: reads and drops it)."""
-        if nbytes <= INLINE_BYTES:
+        if nbytes <= self.ring.inline_bytes:
             data = _recv_exactly(self.sock, nbytes)
             if flat is not None:
                 flat.copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
@@ -314,11 +375,11 @@ class IpcChannel:
             return
         for start in range(0, nbytes, self.ring.slot_bytes):
             (size,) = PIECE.unpack(_recv_exactly(self.sock, PIECE.size))
-            slot = self.ring.slot(next(self._pieces), size)
+            piece = next(self._pieces)
             if flat is not None:
-                flat[start : start + size].copy_(slot)
+                flat[start : start + size].copy_(self.ring.slot(piece, size))
                 streams.settle(self.device)
-            self.sock.sendall(b"\x01")
+            self.credit(piece)
 
 
 def _flat_bytes(tensor: torch.Tensor) -> torch.Tensor:
@@ -346,7 +407,8 @@ def _recv_some(sock: socket.socket, most: int) -> bytes:
 
 class IpcTransport:
     """`fallback`: the transport a pair on two devices or hosts uses instead (the CUDA `auto`:
-    NCCL). Without one, such a pair is an error."""
+    NCCL). Without one, such a pair is an error. The ring's layout (`slots`, `slot_bytes`,
+    `inline_bytes`) is the sending side's."""
 
     def __init__(
         self,
@@ -354,11 +416,15 @@ class IpcTransport:
         slots: int = SLOTS,
         slot_bytes: int | None = None,
         fallback: Transport | None = None,
+        inline_bytes: int = INLINE_BYTES,
     ) -> None:
         self.device = device
-        self.slots = slots
         default = GPU_SLOT_BYTES if device.type == "cuda" else CPU_SLOT_BYTES
-        self.slot_bytes = slot_bytes or default
+        self.layout = {
+            "slots": slots,
+            "slot_bytes": slot_bytes or default,
+            "inline_bytes": inline_bytes,
+        }
         self.fallback = fallback
         self.name = "ipc" if fallback is None else f"ipc/{fallback.name}"
 
@@ -381,7 +447,7 @@ class IpcTransport:
             with contextlib.closing(sock):
                 send_message(sock, b"apart", deadline)
             return self.fallback.connect(rendezvous, f"{key}/apart", left(deadline))
-        ring, lent = _lend_ring(self.device, self.slots, self.slot_bytes)
+        ring, lent = _lend_ring(self.device, self.layout)
         try:
             send_message(sock, msgpack.packb(lent), deadline)
             if recv_message(sock, deadline) != b"mapped":

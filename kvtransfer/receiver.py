@@ -109,7 +109,7 @@ class _StepBroke(Exception):
     """A step's receive failed; `posted` holds what may still be posted (pending, buffer)."""
 
     def __init__(
-        self, error: Exception, posted: list[PostedFrame | tuple[Pending, torch.Tensor]]
+        self, error: Exception, posted: list[PostedFrame | tuple[Pending, torch.Tensor | None]]
     ) -> None:
         super().__init__(str(error))
         self.error = error
@@ -170,7 +170,7 @@ class KVReceiver:
         # buffers after the receiver gave up (UCX does), so the buffers must outlive the
         # channel, or the bytes land in memory Python has handed to something else. Each is
         # let go once its transport is done with it (`Pending.finished`).
-        self._posted_on_broken: list[PostedFrame | tuple[Pending, torch.Tensor]] = []
+        self._posted_on_broken: list[PostedFrame | tuple[Pending, torch.Tensor | None]] = []
 
     @property
     def open_channels(self) -> int:
@@ -298,7 +298,9 @@ class KVReceiver:
             self._release_finished()
             return len(self._posted_on_broken)
 
-    def _keep_posted(self, posted: list[PostedFrame | tuple[Pending, torch.Tensor] | None]) -> None:
+    def _keep_posted(
+        self, posted: list[PostedFrame | tuple[Pending, torch.Tensor | None] | None]
+    ) -> None:
         with self._lock:
             self._release_finished()
             self._posted_on_broken.extend(p for p in posted if p is not None)
@@ -341,18 +343,28 @@ class KVReceiver:
         """Posts every layer's payload receive of the step, then the next frame's; unpacks each
         layer as it lands (the prefill side sends them as its layers finish)."""
         tokens = sum(num_tokens for _, _, num_tokens in frame.chunks)
+        lend = getattr(channel, "recv_lent_async", None)  # read in place where it can
         arriving = []
         for layer in range(frame.num_layers):
             kv = self.kv_caches[layer][0]
-            payload = spare.take(kv, (2, tokens, len(leg.heads), kv.shape[3]))
+            shape = (2, tokens, len(leg.heads), kv.shape[3])
+            lent = lend(shape, kv.dtype) if lend is not None else None
+            if lent is not None:
+                arriving.append((lent, None, layer))
+                continue
+            payload = spare.take(kv, shape)
             arriving.append((channel.recv_async(payload), payload, layer))
         following = PostedFrame(channel)
         done = 0
         try:
             for pending, payload, layer in arriving:
                 pending.wait(self.timeout)
-                self._unpack(frame, leg, layer, payload)
-                spare.give_back(payload)
+                if payload is None:  # lent: unpacked from the channel's memory, then let go
+                    self._unpack(frame, leg, layer, pending.tensor)
+                    pending.release()
+                else:
+                    self._unpack(frame, leg, layer, payload)
+                    spare.give_back(payload)
                 done += 1
         except Exception as err:
             # This and every later receive of the step may still be posted.
@@ -431,5 +443,5 @@ class KVReceiver:
         )
 
 
-def _pending_of(posted: PostedFrame | tuple[Pending, torch.Tensor]) -> Pending:
+def _pending_of(posted: PostedFrame | tuple[Pending, torch.Tensor | None]) -> Pending:
     return posted.pending if isinstance(posted, PostedFrame) else posted[0]

@@ -122,3 +122,41 @@ def test_the_cuda_auto_is_made_again_by_its_name() -> None:
     """Tensor-parallel followers make their transport from the leader's `transport.name`."""
     cuda = torch.device("cuda")
     assert make_transport(make_transport("auto", cuda).name, cuda).name == "ipc/nccl"
+
+
+def test_a_lent_receive_reads_the_slot_in_place_and_frees_it_in_order() -> None:
+    """Two slots; messages 0 and 1 lent, message 2 copied. Message 2 cannot go out while both
+    slots are lent; releasing the newer one alone frees nothing (slots are refilled oldest
+    first); releasing the older frees both."""
+    tx, accepted = open_pair(IpcTransport(CPU, slots=2, slot_bytes=1 << 20), IpcTransport(CPU))
+    rx = accepted["rx"]
+    sent = [torch.randn(2, 512, 4, 64) for _ in range(3)]  # 1 MiB each: one slot
+    first = rx.recv_lent_async((2, 512, 4, 64), torch.float32)
+    second = rx.recv_lent_async((2, 512, 4, 64), torch.float32)
+    assert rx.recv_lent_async((2, 1024, 4, 64), torch.float32) is None  # two slots: copied
+    third = torch.empty_like(sent[2])
+    rx.recv_async(third)
+    sends = [tx.send_async(t) for t in sent]
+    for op in (*sends[:2], first, second):
+        op.wait(10)
+    assert torch.equal(first.tensor, sent[0]) and torch.equal(second.tensor, sent[1])
+    assert first.tensor.data_ptr() != second.tensor.data_ptr()
+    second.release()
+    with pytest.raises(TransferError):  # no slot free yet: the third send waits
+        sends[2].wait(0.3)
+    tx.close(), rx.close()
+
+
+def test_a_lent_receive_lets_the_sender_go_on_once_released() -> None:
+    tx, accepted = open_pair(IpcTransport(CPU, slots=2, slot_bytes=1 << 20), IpcTransport(CPU))
+    rx = accepted["rx"]
+    sent = [torch.full((2, 512, 4, 64), float(i)) for i in range(6)]
+    sends = [tx.send_async(t) for t in sent]
+    for i, want in enumerate(sent):
+        lent = rx.recv_lent_async(tuple(want.shape), torch.float32)
+        lent.wait(10)
+        assert torch.equal(lent.tensor, want), i
+        lent.release()
+    for op in sends:
+        op.wait(10)
+    tx.close(), rx.close()
