@@ -120,6 +120,10 @@ LAYOUTS = {  # served targets: their `tandem serve` layout flags
     # waits on a stream the other worker's context shares by time slices).
     "1p1d-nochecksum": ("--mode", "disaggregated", "--prefill-workers", "1",
                         "--decode-workers", "1", "--no-kv-checksum"),
+    # 1P1D with the KV over a shared-memory ring (the `ipc` transport) instead of gloo's TCP:
+    # two memory copies a byte instead of the kernel's socket path, on the same two cores.
+    "1p1d-ipc": ("--mode", "disaggregated", "--prefill-workers", "1", "--decode-workers", "1",
+                 "--kv-transport", "ipc"),
     # Colocated with tokens streamed four at a time after the first (`--stream-interval 4`):
     # what the per-token HTTP path costs, as the throughput it gives back; burstier streams.
     "colocated-interval4": ("--mode", "colocated", "--prefill-workers", "0",

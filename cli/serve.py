@@ -184,6 +184,14 @@ def _add_model_flags(g: argparse._ArgumentGroup) -> None:
         default=engine("enable_prefix_caching"),
         help="reuse KV",
     )
+    g.add_argument(
+        "--share-prefill",
+        action=argparse.BooleanOptionalAction,
+        default=engine("share_prefill"),
+        help="a request whose next prompt block another request is prefilling waits for it to "
+        "be cached instead of computing it too (the n choices of one prompt, a shared system "
+        "prompt)",
+    )
     g.add_argument("--seed", type=int, default=engine("seed"), help="seeds unseeded sampling")
     g.add_argument(
         "--enforce-eager",
@@ -494,6 +502,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         decode_headroom_tokens=args.decode_headroom_tokens,
         max_model_len=args.max_model_len,
         enable_prefix_caching=args.prefix_caching,
+        share_prefill=args.share_prefill,
         seed=args.seed,
         tensor_parallel_size=args.tensor_parallel_size,
         cuda_graphs=not args.enforce_eager,

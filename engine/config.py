@@ -141,6 +141,9 @@ class EngineConfig:
     max_num_batched_tokens: int | None = None  # None: default_batched_tokens(device)
     max_model_len: int | None = None
     enable_prefix_caching: bool = True
+    # With prefix caching: a waiting request whose next prompt block another request is
+    # prefilling waits for it to be cached instead of computing it too (engine/scheduler.py).
+    share_prefill: bool = True
     # A decode worker admits transferred KV only while every request it holds keeps room for
     # this many more tokens (scheduler.fits_with_headroom); 0: blocks for the prompt suffice.
     decode_headroom_tokens: int = 256

@@ -82,7 +82,10 @@ class LLMEngine:
         self.blocks.on_cache_change = self._prefix_changed
         self.scheduler = Scheduler(
             SchedulerConfig(
-                config.max_num_seqs, config.max_num_batched_tokens, config.late_after_s
+                config.max_num_seqs,
+                config.max_num_batched_tokens,
+                config.late_after_s,
+                config.share_prefill,
             ),
             self.blocks,
         )

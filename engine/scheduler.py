@@ -11,7 +11,10 @@ Works on Sequences, counts and block ids only; it never sees a tensor. Each step
      newest goes first instead (adaptive LIFO, as the coordinator's line for decode room:
      coordinator/room.py): under overload the oldest misses its objective whatever happens,
      and serving it first would make every request behind it miss too. A preempted sequence
-     keeps its place at the front.
+     keeps its place at the front. A waiting sequence whose next uncached prompt block another
+     sequence is prefilling right now is passed over until that block is cached (the n choices
+     of one prompt, or requests sharing a system prompt, arriving together): it then starts
+     from the cache instead of computing the same block again.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from engine.block_manager import BlockManager, num_blocks_for
+from engine.block_manager import BlockManager, chain_hashes, num_blocks_for
 from engine.sequence import Sequence, SequenceStatus
 from planning.cost_model import StepShape
 from protocol.sampling import FinishReason
@@ -59,6 +62,7 @@ class SchedulerConfig:
     max_num_seqs: int
     max_num_batched_tokens: int
     late_after_s: float | None = None  # the TTFT objective, when one is set: see the docstring
+    share_prefill: bool = True  # wait for a block another prefill is computing: the docstring
 
 
 class ScheduledChunk(NamedTuple):
@@ -99,6 +103,18 @@ class StepPlan:
                 prefill_tokens += chunk.num_tokens
                 prefill_attention += chunk.num_tokens * chunk.end
         return StepShape(prefill_tokens, prefill_attention, decode_seqs, decode_context)
+
+
+def _computing(prefilling: list[Sequence], block_hash: int, k: int, block_size: int) -> bool:
+    """Whether one of the `prefilling` sequences has block k (chained hash `block_hash`) of its
+    prompt still to compute: its next steps will cache it."""
+    for other in prefilling:
+        if other.num_hashed_blocks > k or (k + 1) * block_size > other.num_prompt_tokens:
+            continue
+        chain_hashes(other.token_ids, block_size, other.block_hashes, k + 1)
+        if other.block_hashes[k] == block_hash:
+            return True
+    return False
 
 
 class Scheduler:
@@ -161,13 +177,23 @@ class Scheduler:
 
     def _admit_waiting(self, budget: int, chunks: list[ScheduledChunk]) -> int:
         bs = self.blocks.block_size
+        passed_over: list[tuple[Sequence, bool]] = []  # (sequence, taken from the front)
+        prefilling: list[Sequence] | None = None  # made when first needed
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self._next_waiting()
+            front = seq is self.waiting[0]
             hits = (
                 []
                 if seq.scores_prompt
                 else self.blocks.match_prefix(seq.token_ids, seq.block_hashes)
             )
+            if self._shares_next_block(seq, len(hits)):
+                if prefilling is None:
+                    prefilling = [s for s in self.running if s.num_uncomputed_prompt_tokens]
+                if _computing(prefilling, seq.block_hashes[len(hits)], len(hits), bs):
+                    passed_over.append((seq, front))
+                    self._take_waiting(front)
+                    continue
             if len(hits) * bs >= seq.num_tokens:  # always compute at least the last token
                 hits = hits[:-1]
             num_cached = len(hits) * bs
@@ -184,14 +210,32 @@ class Scheduler:
             if seq.first_scheduled_time is None:
                 seq.first_scheduled_time = self.clock()
             seq.status = SequenceStatus.RUNNING
-            if seq is self.waiting[0]:
-                self.waiting.popleft()
-            else:
-                self.waiting.pop()
+            self._take_waiting(front)
             self.running.append(seq)
+            if prefilling is not None and seq.num_uncomputed_prompt_tokens:
+                prefilling.append(seq)
             chunks.append(ScheduledChunk.of(seq, n))
             budget -= n
+        for seq, front in reversed(passed_over):  # back where each was, in the same order
+            if front:
+                self.waiting.appendleft(seq)
+            else:
+                self.waiting.append(seq)
         return budget
+
+    def _take_waiting(self, front: bool) -> Sequence:
+        return self.waiting.popleft() if front else self.waiting.pop()
+
+    def _shares_next_block(self, seq: Sequence, k: int) -> bool:
+        """Whether `seq`'s block k, the first one not cached, could come from another
+        sequence's prefill: caching is on, the prompt is not scored, and block k is a full
+        prompt block that is not the prompt's last (that one is computed anyway)."""
+        return (
+            self.config.share_prefill
+            and self.blocks.enable_prefix_caching
+            and not seq.scores_prompt
+            and (k + 1) * self.blocks.block_size < seq.num_prompt_tokens
+        )
 
     def _next_waiting(self) -> Sequence:
         """The oldest waiting sequence, or the newest once the oldest (not a preempted one) has

@@ -64,6 +64,10 @@ class Sequence:
         return len(self.token_ids) - self.num_computed_tokens
 
     @property
+    def num_uncomputed_prompt_tokens(self) -> int:
+        return max(0, self.num_prompt_tokens - self.num_computed_tokens)
+
+    @property
     def scores_prompt(self) -> bool:
         """Its prompt's logprobs are asked for and not all computed yet: its prompt must be
         computed, not taken from the prefix cache."""

@@ -71,3 +71,20 @@ def test_prefix_cache_hit_equals_alone(tiny_llama, prompts, alone) -> None:
     assert [out.token_ids for out in second] == alone
     assert hits > 0 and llm.engine.blocks.prefix_queries > queries_before
     assert sum(out.num_cached_tokens for out in second) == hits
+
+
+def test_copies_arriving_together_match_alone_and_compute_the_prompt_once(
+    tiny_llama, prompts, alone
+) -> None:
+    """Three copies of each prompt at once (as n = 3 sends them), prompts interleaved, on a small
+    token budget: each copy's tokens equal the prompt's alone, and each copy after the first
+    starts from the first copy's cached blocks instead of computing them again."""
+    copies = [p for p in prompts for _ in range(3)]
+    llm = LLM(tiny_llama, dtype="float32", block_size=4, max_num_batched_tokens=64)
+    outputs = llm.generate_ids(copies, GREEDY)
+    assert [out.token_ids for out in outputs] == [a for a in alone for _ in range(3)]
+    for i, prompt in enumerate(prompts):
+        cached = [out.num_cached_tokens for out in outputs[3 * i : 3 * i + 3]]
+        full_blocks = (len(prompt) - 1) // 4 * 4  # the last token is always computed
+        assert cached[0] == 0 and cached[1:] == [full_blocks, full_blocks], (i, cached)
+    assert llm.engine.blocks.num_free_blocks == llm.engine.num_blocks

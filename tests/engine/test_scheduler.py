@@ -185,3 +185,38 @@ def test_without_an_objective_the_line_is_first_come_first_served() -> None:
         order += [c.seq.request_id for c in run_step(s).chunks]
         s.finish(s.running[0], FinishReason.STOP)
     assert order == ["a", "b", "c"]
+
+
+def test_prompts_arriving_together_compute_their_shared_blocks_once() -> None:
+    """Three copies of a 20-token prompt (the choices of one request with n = 3) and one that
+    shares only its first two blocks: the first is prefilled, the others pass their turn while
+    it computes the blocks they share, then start from the cache; one that shares nothing is
+    not held back."""
+    s = make(num_blocks=32, budget=64)
+    for name in ("a", "b", "c"):
+        s.add(seq(name, 20))
+    shared = seq("d", 20)
+    shared.token_ids[8:] = range(500, 512)  # blocks 0-1 as a's, then its own
+    s.add(shared)
+    s.add(seq("e", 20, first_token=900))
+    first = run_step(s)
+    assert summary(first) == [("a", 0, 20), ("e", 0, 20)]
+    assert [w.request_id for w in s.waiting] == ["b", "c", "d"]  # order kept
+    second = run_step(s)
+    # b and c find a's 5 blocks cached (the last is computed anyway), d its first 2.
+    assert summary(second)[-3:] == [("b", 16, 4), ("c", 16, 4), ("d", 8, 12)]
+    assert s.blocks.prefix_hits == 16 + 16 + 8
+
+
+def test_a_block_is_waited_for_only_while_another_prefill_still_has_it_to_compute() -> None:
+    """A prompt prefilled in chunks: a copy arriving behind it takes the blocks already cached
+    and waits for the rest; a prompt of less than a block never waits."""
+    s = make(num_blocks=32, budget=16)
+    s.add(seq("a", 24))
+    run_step(s)  # a: tokens 0-15, blocks 0-3 cached
+    s.add(seq("b", 24))
+    s.add(seq("tiny", 3))
+    plan = run_step(s)  # a: 16-23; b waits (block 4 is a's to compute); tiny goes
+    assert summary(plan) == [("a", 16, 8), ("tiny", 0, 3)]
+    plan = run_step(s)
+    assert ("b", 20, 4) in summary(plan)  # b: blocks 0-4 from the cache, its last computed
