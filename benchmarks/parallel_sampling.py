@@ -41,9 +41,10 @@ from loadtest.serve_process import ServeProcess  # noqa: E402
 TIMEOUT_S = 600.0
 
 
-def workloads(args: argparse.Namespace) -> dict[str, list[tuple[list[int], int]]]:
-    """name -> [(prompt ids, choices)], the same in every round and for every target."""
-    rng = random.Random(0)
+def workloads(args: argparse.Namespace, seed: int) -> dict[str, list[tuple[list[int], int]]]:
+    """name -> [(prompt ids, choices)]: new prompts each round (an engine's prefix cache keeps
+    the last round's), the same for every target within one."""
+    rng = random.Random(seed)
 
     def ids(count: int) -> list[int]:
         return [rng.randrange(1000, 40000) for _ in range(count)]
@@ -116,6 +117,10 @@ def main() -> None:
     parser.add_argument("--shared-len", type=int, default=448)
     parser.add_argument("--output-len", type=int, default=32)
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument(
+        "--max-num-batched-tokens", type=int, default=None,
+        help="the engines' step budget (default: the device's, 256 on a CPU, 2,048 on a GPU)",
+    )  # fmt: skip
     parser.add_argument("--skip-served", action="store_true")
     parser.add_argument("--json", type=Path, default=ROOT / "results" / "parallel_sampling.json")
     args = parser.parse_args()
@@ -125,13 +130,16 @@ def main() -> None:
         args.model = fetch_default_model()
     from engine.llm import LLM
 
-    engines = {on: LLM(args.model, share_prefill=on) for on in (True, False)}
-    work = workloads(args)
+    budget = args.max_num_batched_tokens
+    engines = {
+        on: LLM(args.model, share_prefill=on, max_num_batched_tokens=budget) for on in (True, False)
+    }
     for on in (True, False):  # warm-up
-        run_inprocess(engines[on], work["n"][:1], 2)
+        run_inprocess(engines[on], workloads(args, 0)["n"][:1], 2)
     rows: dict[str, list[dict]] = {}
     logs = Path(tempfile.mkdtemp(prefix="tandem-parallel-"))
     for round_ in range(1, args.rounds + 1):
+        work = workloads(args, round_)
         for on in (True, False):
             how = "shared" if on else "each its own"
             for name, requests in work.items():
@@ -140,14 +148,16 @@ def main() -> None:
             if args.skip_served:
                 continue
             # One server at a time, started for its turn: the other's workers hold no cores.
-            flag = "--share-prefill" if on else "--no-share-prefill"
+            flags = ["--share-prefill" if on else "--no-share-prefill"]
+            if budget is not None:
+                flags += ["--max-num-batched-tokens", str(budget)]
             with ServeProcess(
                 ["--model", str(args.model), "--mode", "colocated", "--prefill-workers", "0",
-                 "--decode-workers", "1", flag],
+                 "--decode-workers", "1", *flags],
                 logs / f"serve-{round_}-{on}.log",
             ) as server:  # fmt: skip
                 server.wait_healthy(300)
-                asyncio.run(run_served(server.url, work["n"][:1], 2))  # warm-up
+                asyncio.run(run_served(server.url, workloads(args, 0)["n"][:1], 2))  # warm-up
                 for name, requests in work.items():
                     row = asyncio.run(run_served(server.url, requests, args.output_len))
                     _keep(rows, f"{name} served {how}", row, round_)
