@@ -128,6 +128,23 @@ def test_colocated_mode_prefills_everything_on_its_workers(
     assert all(s.kv_transfer_bytes == 0 for s in stats)
 
 
+def test_kv_over_shared_memory_equals_colocated_and_moves_the_uncached_kv(
+    tiny_llama, build_pool, loop, prompts, expected
+) -> None:
+    """1P1D over the ipc transport between two worker processes: the payloads go through the
+    prefill worker's shared-memory ring and are unpacked from it in place."""
+    threshold = 20
+    client = build_pool(tiny_llama, kv_transport="ipc", local_prefill_threshold=threshold)
+    assert run_all(loop, client, prompts, tag="i") == expected
+    decode = ray.get(client.decode["decode-0"].stats.remote(), timeout=10)
+    prefill = ray.get(client.prefill["prefill-0"].stats.remote(), timeout=10)
+    assert decode.kv_transport == prefill.kv_transport == "ipc"
+    long_tokens = sum(len(p) for p in prompts if len(p) >= threshold)
+    cfg = ModelConfig.from_pretrained(tiny_llama)
+    per_token = cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * 4  # float32 K and V
+    assert prefill.kv_transfer_bytes == decode.kv_transfer_bytes == long_tokens * per_token
+
+
 def test_short_prompts_prefill_on_the_decode_worker(
     tiny_llama, build_pool, loop, prompts, expected
 ) -> None:
