@@ -4,9 +4,9 @@ workers on one device, where NCCL cannot make them two ranks), a POSIX shared-me
 The sending side owns a ring of `slots` buffers of `slot_bytes` each, on its device, and lends
 it to the receiver once, when the channel opens (the owner writes it, so a receiver that died
 leaves the sender writing only its own memory; the receiver reads a slot only when the living
-sender says it is full). A TCP connection between the two carries
-everything else: small messages themselves, and for each piece of a large one a note that it is
-in its slot; back the other way, one byte per slot emptied.
+sender says it is full). A TCP connection between the two carries everything else: small
+messages themselves, and for each piece of a large one a note that it is in its slot; back the
+other way, one byte per slot emptied, in slot order.
 
     sender                                             receiver
     header (seq, nbytes)               --socket-->     checks seq and size against its receive
@@ -14,14 +14,17 @@ in its slot; back the other way, one byte per slot emptied.
     large message, piece by piece:
       wait for a free slot (credit)    <--socket--     one byte per slot it emptied
       copy the piece into ring[slot], wait for it
-      piece length                     --socket-->     copy ring[slot] into the tensor, wait, credit
+      piece length                     --socket-->     copy ring[slot] into the tensor, wait,
+                                                       credit; or, for a lent receive (one
+                                                       piece), hand the slot itself to the
+                                                       caller and credit once it is released
 
-Both sides count pieces, so the slot of piece n is n % slots on each without saying so. A piece
-is copied into the ring and out again (two device copies per byte); the sender's stream waits
-for the packing stream's event, each side waits for its own copy before it tells the other.
-Message n carries sequence number n: a duplicate (an older number) is read and dropped, a gap
-(a message lost) breaks the channel at once. The connection's end is how each side learns the
-other died: every wait is on the socket or on an event with a deadline.
+Both sides count pieces, so the slot of piece n is n % slots on each without saying so. The
+sender's stream waits for the packing stream's event; each side waits for its own copy before it
+tells the other, so no CUDA event crosses processes. Message n carries sequence number n: a
+duplicate (an older number) is read and dropped, a gap (a message lost) breaks the channel at
+once. The connection's end is how each side learns the other died: every wait is on the socket
+or on an event with a deadline.
 
 Why CUDA IPC through torch (`torch.multiprocessing.reductions`) and not UCX's `cuda_ipc`: it needs
 nothing but torch, which the GPU machines have, where ucxx is a separate CUDA-versioned build.
