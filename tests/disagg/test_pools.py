@@ -51,6 +51,19 @@ def run_all(loop, client, prompts, params=GREEDY, tag="r") -> list[list[int]]:
     return [final.token_ids for final, _ in loop.run(go())]
 
 
+def assert_moved_the_uncached_kv(client, checkpoint, prompts, threshold: int, transport: str):
+    """Both workers count exactly the KV of the prompts the decode worker did not prefill itself
+    (those under `threshold` tokens), over `transport`."""
+    decode = ray.get(client.decode["decode-0"].stats.remote(), timeout=10)
+    prefill = ray.get(client.prefill["prefill-0"].stats.remote(), timeout=10)
+    assert decode.kv_transport == prefill.kv_transport == transport
+    long_tokens = sum(len(p) for p in prompts if len(p) >= threshold)
+    cfg = ModelConfig.from_pretrained(checkpoint)
+    per_token = cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * 4  # float32 K and V
+    assert prefill.kv_transfer_bytes == decode.kv_transfer_bytes == long_tokens * per_token
+    return decode
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("mode", ["colocated", "disaggregated"])
@@ -67,15 +80,8 @@ def test_pools_on_one_gpu_equal_transformers(
         gpus_per_worker=0.5, local_prefill_threshold=threshold,
     )  # fmt: skip
     assert run_all(loop, client, prompts) == expected
-    if mode == "colocated":
-        return
-    decode = ray.get(client.decode["decode-0"].stats.remote(), timeout=10)
-    prefill = ray.get(client.prefill["prefill-0"].stats.remote(), timeout=10)
-    assert decode.kv_transport == prefill.kv_transport == "ipc/nccl"
-    long_tokens = sum(len(p) for p in prompts if len(p) >= threshold)
-    cfg = ModelConfig.from_pretrained(tiny_llama)
-    per_token = cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * 4  # float32 K and V
-    assert prefill.kv_transfer_bytes == decode.kv_transfer_bytes == long_tokens * per_token
+    if mode == "disaggregated":
+        assert_moved_the_uncached_kv(client, tiny_llama, prompts, threshold, "ipc/nccl")
 
 
 @pytest.mark.parametrize("num_prefill,num_decode", [(1, 1), (2, 1), (1, 2)])
@@ -136,13 +142,7 @@ def test_kv_over_shared_memory_equals_colocated_and_moves_the_uncached_kv(
     threshold = 20
     client = build_pool(tiny_llama, kv_transport="ipc", local_prefill_threshold=threshold)
     assert run_all(loop, client, prompts, tag="i") == expected
-    decode = ray.get(client.decode["decode-0"].stats.remote(), timeout=10)
-    prefill = ray.get(client.prefill["prefill-0"].stats.remote(), timeout=10)
-    assert decode.kv_transport == prefill.kv_transport == "ipc"
-    long_tokens = sum(len(p) for p in prompts if len(p) >= threshold)
-    cfg = ModelConfig.from_pretrained(tiny_llama)
-    per_token = cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * 4  # float32 K and V
-    assert prefill.kv_transfer_bytes == decode.kv_transfer_bytes == long_tokens * per_token
+    assert_moved_the_uncached_kv(client, tiny_llama, prompts, threshold, "ipc")
 
 
 def test_short_prompts_prefill_on_the_decode_worker(
@@ -151,14 +151,9 @@ def test_short_prompts_prefill_on_the_decode_worker(
     threshold = 20
     client = build_pool(tiny_llama, local_prefill_threshold=threshold)
     assert run_all(loop, client, prompts, tag="t") == expected
-    decode = ray.get(client.decode["decode-0"].stats.remote(), timeout=10)
-    prefill = ray.get(client.prefill["prefill-0"].stats.remote(), timeout=10)
+    decode = assert_moved_the_uncached_kv(client, tiny_llama, prompts, threshold, "gloo")
     short = [p for p in prompts if len(p) < threshold]
     assert decode.requests_prefilled_locally == len(short) > 0
-    long_tokens = sum(len(p) for p in prompts if len(p) >= threshold)
-    cfg = ModelConfig.from_pretrained(tiny_llama)
-    per_token = cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * 4  # float32 K and V
-    assert prefill.kv_transfer_bytes == decode.kv_transfer_bytes == long_tokens * per_token
 
 
 def test_the_router_matches_prompts_against_what_worker_processes_report(

@@ -5,16 +5,19 @@ leave no GPU memory behind on either side."""
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import multiprocessing as mp
-import threading
-import time
 
 import pytest
 import torch
 
 from kvtransfer.ipc import IpcTransport
-from kvtransfer.transport import Rendezvous, TransferError
+from kvtransfer.transport import Rendezvous
+from tests.support.dead_peers import (
+    killed_receiver_fails_the_sender,
+    killed_sender_fails_a_waiting_receiver,
+)
 
 CUDA_ONLY = [
     pytest.mark.gpu,
@@ -91,112 +94,50 @@ def _send_rounds(tx, repeat: int, count: int, device: str) -> tuple[list[str], l
     return [*(digest(t) for t in sent), digest(frame)], memory
 
 
-@pytest.mark.parametrize("device", DEVICES)
-def test_messages_cross_processes_byte_exact_in_order(device: str) -> None:
+def exchange(device: str, repeat: int) -> tuple[tuple, tuple]:
+    """`repeat` rounds of SIZES from this process to a spawned receiver: (digests, memory) of
+    each side (`_send_rounds`, `_receiver`)."""
     spawn = mp.get_context("spawn")
     endpoints, results = spawn.Queue(), spawn.Queue()
-    peer = spawn.Process(target=_receiver, args=(device, endpoints, results, len(SIZES), 1))
+    peer = spawn.Process(target=_receiver, args=(device, endpoints, results, len(SIZES), repeat))
     peer.start()
     try:
         tx = transport(device).connect(endpoints.get(timeout=60), "ipc#0", 60)
-        sent, _ = _send_rounds(tx, 1, len(SIZES), device)
-        received, _ = results.get(timeout=60)
-        assert received == sent
+        sent = _send_rounds(tx, repeat, len(SIZES), device)
+        received = results.get(timeout=120)
         tx.close()
     finally:
         peer.join(30)
         peer.kill()
+    return sent, received
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_messages_cross_processes_byte_exact_in_order(device: str) -> None:
+    (sent, _), (received, _) = exchange(device, 1)
+    assert received == sent
 
 
 @pytest.mark.parametrize("device", [p for p in DEVICES if p.id == "cuda"])
 def test_a_thousand_transfers_leave_no_gpu_memory_behind(device: str) -> None:
     """1,000 layer-sized payloads (a ragged several-piece one per round, 250 rounds of 4)."""
-    spawn = mp.get_context("spawn")
-    endpoints, results = spawn.Queue(), spawn.Queue()
-    peer = spawn.Process(target=_receiver, args=(device, endpoints, results, len(SIZES), 250))
-    peer.start()
-    try:
-        tx = transport(device).connect(endpoints.get(timeout=60), "ipc#0", 60)
-        _, sender_memory = _send_rounds(tx, 250, len(SIZES), device)
-        _, receiver_memory = results.get(timeout=120)
-        tx.close()
-    finally:
-        peer.join(30)
-        peer.kill()
+    (_, sender_memory), (_, receiver_memory) = exchange(device, 250)
     assert sender_memory[-1] == sender_memory[0]
     assert receiver_memory[-1] == receiver_memory[0]
 
 
-def _sending_peer(device: str, endpoint, ready) -> None:
-    tx = transport(device).connect(endpoint, "dead#0", 60)
-    tx.send(payload(3 << 20, 0, device), 30)
-    ready.set()
-    time.sleep(600)  # until killed
-
-
-def _receiving_peer(device: str, endpoints, ready) -> None:
-    rendezvous = Rendezvous("127.0.0.1")
-    endpoints.put(rendezvous.endpoint)
-    rx = transport(device).accept(rendezvous.store, "dead#0", 60)
-    rx.recv(torch.empty(3 << 20, dtype=torch.uint8, device=device), 30)
-    ready.set()
-    time.sleep(600)
+def small_ring(device: str) -> IpcTransport:
+    """`transport`, picklable for a spawned peer."""
+    return transport(device)
 
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_a_killed_sender_fails_the_waiting_receiver(device: str) -> None:
-    spawn = mp.get_context("spawn")
-    rendezvous, ready = Rendezvous("127.0.0.1"), spawn.Event()
-    peer = spawn.Process(target=_sending_peer, args=(device, rendezvous.endpoint, ready))
-    peer.start()
-    try:
-        rx = transport(device).accept(rendezvous.store, "dead#0", 60)
-        first = torch.empty(3 << 20, dtype=torch.uint8, device=device)
-        rx.recv(first, 30)
-        assert digest(first) == digest(payload(3 << 20, 0, device))
-        assert ready.wait(30)
-        outcome = {}
-
-        def wait_for_more() -> None:
-            try:
-                rx.recv(torch.empty(3 << 20, dtype=torch.uint8, device=device), None)
-            except TransferError as err:
-                outcome["error"] = err
-
-        waiting = threading.Thread(target=wait_for_more, daemon=True)
-        waiting.start()
-        time.sleep(0.2)  # blocked with no deadline when the peer dies
-        peer.kill()
-        killed = time.monotonic()
-        waiting.join(DEAD_PEER_LIMIT)
-        assert not waiting.is_alive(), "the receiver hangs on a dead peer"
-        assert isinstance(outcome.get("error"), TransferError)
-        assert time.monotonic() - killed < DEAD_PEER_LIMIT
-        rx.close()
-    finally:
-        peer.kill()
-        peer.join(10)
+    """Messages through the ring (test_transports.py sends small ones, on the socket)."""
+    make = functools.partial(small_ring, device)
+    killed_sender_fails_a_waiting_receiver(make, device, 3 << 20)
 
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_a_killed_receiver_fails_the_sender(device: str) -> None:
-    spawn = mp.get_context("spawn")
-    endpoints, ready = spawn.Queue(), spawn.Event()
-    peer = spawn.Process(target=_receiving_peer, args=(device, endpoints, ready))
-    peer.start()
-    try:
-        tx = transport(device).connect(endpoints.get(timeout=60), "dead#0", 60)
-        tx.send(payload(3 << 20, 0, device), 30)
-        assert ready.wait(30)
-        peer.kill()
-        peer.join(10)
-        killed = time.monotonic()
-        big = payload(16 << 20, 1, device)
-        with pytest.raises(TransferError):
-            for _ in range(100):
-                tx.send(big, 30)
-        assert time.monotonic() - killed < DEAD_PEER_LIMIT
-        tx.close()
-    finally:
-        peer.kill()
-        peer.join(10)
+    killed_receiver_fails_the_sender(functools.partial(small_ring, device), device, 3 << 20)
