@@ -84,6 +84,23 @@ def test_pools_on_one_gpu_equal_transformers(
         assert_moved_the_uncached_kv(client, tiny_llama, prompts, threshold, "ipc/nccl")
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs two GPUs"
+)
+def test_pools_on_two_gpus_equal_transformers(tiny_llama, build_pool, loop, prompts, expected):
+    """A worker per GPU: `auto` moves the KV over NCCL between them (the pick itself:
+    tests/kvtransfer/test_two_gpus.py)."""
+    build_pool.stop_all()
+    threshold = 20
+    client = build_pool(
+        tiny_llama, engine_options={"device": "cuda"}, num_prefill=1, num_decode=1,
+        gpus_per_worker=1, local_prefill_threshold=threshold,
+    )  # fmt: skip
+    assert run_all(loop, client, prompts, tag="g") == expected
+    assert_moved_the_uncached_kv(client, tiny_llama, prompts, threshold, "ipc/nccl")
+
+
 @pytest.mark.parametrize("num_prefill,num_decode", [(1, 1), (2, 1), (1, 2)])
 def test_disaggregated_equals_colocated(
     tiny_llama, build_pool, loop, prompts, expected, num_prefill, num_decode
