@@ -262,7 +262,8 @@ def _add_cluster_flags(g: argparse._ArgumentGroup) -> None:
         "--kv-transport",
         default=_deploy("kv_transport"),
         choices=KV_TRANSPORT_CHOICES,
-        help="how KV moves between workers; auto: nccl on GPU, gloo on CPU",
+        help="how KV moves between workers; auto: gloo on CPU, on GPUs CUDA IPC between "
+        "workers sharing one and NCCL between GPUs",
     )
     g.add_argument(
         "--kv-transfer-timeout",
