@@ -436,19 +436,19 @@ class IpcTransport:
         offer = read_offer(rendezvous, f"{key}/ipc", timeout)
         here = {"host": _host_id(), "device": _device_id(self.device)}
         apart = offer["host"] != here["host"] or offer["device"] != here["device"]
-        if apart and self.fallback is None:
-            raise TransferError(
-                f"channel {key!r}: the ipc transport joins workers on one host and one device "
-                f"(peer {offer['device']} on host {offer['host']}, here {here['device']} on "
-                f"{here['host']}); use nccl or ucx between them"
-            )
         try:
             sock = socket.create_connection((rendezvous.host, offer["port"]), left(deadline))
         except OSError as err:
             raise TransferError(f"cannot reach channel {key!r}: {err}") from err
-        if apart:  # both sides open the fallback's channel instead
+        if apart:  # both sides open the fallback's channel instead, or both fail at once
             with contextlib.closing(sock):
                 send_message(sock, b"apart", deadline)
+            if self.fallback is None:
+                raise TransferError(
+                    f"channel {key!r}: the ipc transport joins workers on one host and one "
+                    f"device (peer {offer['device']} on host {offer['host']}, here "
+                    f"{here['device']} on {here['host']}); use nccl or ucx between them"
+                )
             return self.fallback.connect(rendezvous, f"{key}/apart", left(deadline))
         ring, lent = _lend_ring(self.device, self.layout)
         try:
@@ -478,8 +478,13 @@ class IpcTransport:
             rendezvous.delete_key(f"{key}/ipc")
         except (OSError, TransferError) as err:
             raise TransferError(f"channel {key!r}: no peer connected: {err}") from err
-        if answer == b"apart" and self.fallback is not None:
+        if answer == b"apart":
             sock.close()
+            if self.fallback is None:
+                raise TransferError(
+                    f"channel {key!r}: the peer is on another host or device, which the ipc "
+                    "transport does not join; use nccl or ucx between them"
+                )
             return self.fallback.accept(rendezvous, f"{key}/apart", left(deadline))
         try:
             ring = _map_ring(msgpack.unpackb(answer))

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 
 import pytest
 import torch
@@ -19,8 +20,9 @@ from kvtransfer.transport import Rendezvous, TransferError, make_transport
 CPU = torch.device("cpu")
 
 
-def open_pair(sending, receiving, key: str = "p0->d0#0"):
-    rendezvous, accepted = Rendezvous("127.0.0.1"), {}
+def open_pair(sending, receiving, accepted: dict | None = None, key: str = "p0->d0#0"):
+    """(sending channel, {"rx": receiving channel} or {"error": why the accept failed})."""
+    rendezvous, accepted = Rendezvous("127.0.0.1"), {} if accepted is None else accepted
 
     def accept() -> None:
         try:
@@ -56,9 +58,14 @@ def test_a_pair_on_two_devices_opens_the_fallbacks_channel(two_devices) -> None:
     tx.close(), rx.close()
 
 
-def test_without_a_fallback_a_pair_on_two_devices_is_a_clear_error(two_devices) -> None:
+def test_without_a_fallback_a_pair_on_two_devices_is_a_clear_error_on_both_sides(
+    two_devices,
+) -> None:
+    start = time.monotonic()
     with pytest.raises(TransferError, match="one host and one device"):
-        open_pair(IpcTransport(CPU), IpcTransport(CPU))
+        open_pair(IpcTransport(CPU), IpcTransport(CPU), accepted := {})
+    assert "another host or device" in str(accepted["error"])
+    assert time.monotonic() - start < 5  # the accepting side is told, not left to time out
 
 
 def test_auto_is_ipc_with_nccl_between_devices_on_cuda_and_gloo_on_cpu() -> None:
