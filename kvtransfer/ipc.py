@@ -51,7 +51,15 @@ import torch
 from torch.distributed import TCPStore
 
 from kvtransfer import streams
-from kvtransfer.sockets import keep_alive, left, listener, read_offer, recv_message, send_message
+from kvtransfer.sockets import (
+    keep_alive,
+    left,
+    listener,
+    read_offer,
+    recv_exactly,
+    recv_message,
+    send_message,
+)
 from kvtransfer.transport import Channel, TransferError, Transport, register
 from protocol.kv import Endpoint
 
@@ -348,7 +356,7 @@ class IpcChannel:
 
     def _recv(self, pending: IpcPending) -> None:
         while True:
-            seq, nbytes = HEADER.unpack(_recv_exactly(self.sock, HEADER.size))
+            seq, nbytes = HEADER.unpack(recv_exactly(self.sock, HEADER.size))
             if seq == pending.seq:
                 break
             if (pending.seq - seq) & SEQ_MASK > (1 << 63):  # a later number: one was lost
@@ -359,7 +367,7 @@ class IpcChannel:
                 f"message {seq} has {nbytes} bytes; its receive expects {pending.nbytes}"
             )
         if pending.lent is not None:  # one piece, left in its slot until released
-            (size,) = PIECE.unpack(_recv_exactly(self.sock, PIECE.size))
+            (size,) = PIECE.unpack(recv_exactly(self.sock, PIECE.size))
             shape, dtype = pending.lent
             pending.piece = next(self._pieces)
             pending.tensor = self.ring.slot(pending.piece, size).view(dtype).view(shape)
@@ -371,13 +379,13 @@ class IpcChannel:
     def _take(self, flat: torch.Tensor | None, nbytes: int) -> None:
         """Reads a message's body into `flat` (None: reads and drops it)."""
         if nbytes <= self.ring.inline_bytes:
-            data = _recv_exactly(self.sock, nbytes)
+            data = recv_exactly(self.sock, nbytes)
             if flat is not None:
                 flat.copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
                 streams.settle(self.device)
             return
         for start in range(0, nbytes, self.ring.slot_bytes):
-            (size,) = PIECE.unpack(_recv_exactly(self.sock, PIECE.size))
+            (size,) = PIECE.unpack(recv_exactly(self.sock, PIECE.size))
             piece = next(self._pieces)
             if flat is not None:
                 flat[start : start + size].copy_(self.ring.slot(piece, size))
@@ -390,21 +398,10 @@ def _flat_bytes(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.reshape(-1).view(torch.uint8)
 
 
-def _recv_exactly(sock: socket.socket, n: int) -> bytes:
-    buffer = bytearray(n)
-    view, got = memoryview(buffer), 0
-    while got < n:
-        size = sock.recv_into(view[got:])
-        if size == 0:
-            raise TransferError("the peer went away")
-        got += size
-    return bytes(buffer)
-
-
 def _recv_some(sock: socket.socket, most: int) -> bytes:
     data = sock.recv(most)
     if not data:
-        raise TransferError("the peer went away")
+        raise TransferError("the peer closed the connection")
     return data
 
 

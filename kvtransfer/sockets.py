@@ -49,13 +49,15 @@ def recv_message(sock: socket.socket, deadline: float) -> bytes:
 
 
 def recv_exactly(sock: socket.socket, n: int) -> bytes:
-    data = b""
-    while len(data) < n:
-        chunk = sock.recv(n - len(data))
-        if not chunk:
-            raise TransferError("peer closed the connection")
-        data += chunk
-    return data
+    """Exactly `n` bytes (read into one buffer); TransferError if the peer closes first."""
+    buffer = bytearray(n)
+    view, got = memoryview(buffer), 0
+    while got < n:
+        size = sock.recv_into(view[got:])
+        if size == 0:
+            raise TransferError("the peer closed the connection")
+        got += size
+    return bytes(buffer)
 
 
 def left(deadline: float) -> float:
