@@ -332,22 +332,29 @@ def add_flags(parser: argparse.ArgumentParser) -> None:
     )  # fmt: skip
 
 
+def made_model(arch: str, models_dir: Path, num_layers: int | None = None) -> Path:
+    """`arch`'s `tandem make-model` folder under `models_dir`, written first if it is not there
+    (random weights: the GPU machines download nothing)."""
+    from engine.random_model import make_model
+
+    name = arch if num_layers is None else f"{arch}-l{num_layers}"
+    folder = models_dir / name
+    if not (folder / "config.json").is_file():
+        started = time.perf_counter()
+        make_model(arch, folder, num_layers=num_layers)
+        print(f"made {folder} in {time.perf_counter() - started:.0f} s", flush=True)
+    return folder
+
+
 def run(args: argparse.Namespace) -> dict:
     """The whole sweep; `args` as engine_throughput.py parses them (input/output lengths, dtype,
     device) with add_flags'."""
-    from engine.random_model import make_model
-
     bw = copy_bandwidth(args.device)
     device = torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu"
     results: list[dict] = []
     report: dict = {}
     for arch in args.arch:
-        name = arch if args.num_layers is None else f"{arch}-l{args.num_layers}"
-        folder = args.models_dir / name
-        if not (folder / "config.json").is_file():
-            started = time.perf_counter()
-            make_model(arch, folder, num_layers=args.num_layers)
-            print(f"made {folder} in {time.perf_counter() - started:.0f} s", flush=True)
+        folder = made_model(arch, args.models_dir, args.num_layers)
         if args.profile:
             results.append(profile_arch(folder, arch, args, bw))
         else:

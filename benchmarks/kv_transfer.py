@@ -395,17 +395,9 @@ def models(args: argparse.Namespace) -> list[tuple[str, Path]]:
 
             args.model = fetch_default_model()
         return [(args.model.name, args.model)]
-    from engine.random_model import make_model
+    from benchmarks.decode_steps import made_model
 
-    folders = []
-    for arch in args.arch:
-        folder = args.models_dir / arch
-        if not (folder / "config.json").is_file():
-            started = time.perf_counter()
-            make_model(arch, folder)
-            print(f"made {folder} in {time.perf_counter() - started:.0f} s", flush=True)
-        folders.append((arch, folder))
-    return folders
+    return [(arch, made_model(arch, args.models_dir)) for arch in args.arch]
 
 
 def main() -> None:
@@ -437,7 +429,8 @@ def main() -> None:
 
         report["device"] = torch.cuda.get_device_name()
         report["copy_gbps"] = copy_bandwidth("cuda") / 2 / 1e9  # bytes copied, not touched
-    for name, folder in models(args):
+    folders = models(args)
+    for name, folder in folders:
         for prompt_len in args.prompt_lens or (
             [2048] if args.device == "cpu" else [1024, 4096, 16384]
         ):
@@ -450,7 +443,7 @@ def main() -> None:
             print_run(run, report.get("copy_gbps"))
             write(report, args.json)  # after every run: a deadline keeps what was measured
     if not args.skip_interference:
-        report["interference"] = measure_interference(models(args)[0][1], args)
+        report["interference"] = measure_interference(folders[0][1], args)
         print_interference(report["interference"])
         write(report, args.json)
     print(f"\nJSON: {args.json}")
