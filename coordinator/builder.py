@@ -93,8 +93,25 @@ def _init_ray(address: str | None, num_cpus: int | None) -> None:
             _node_ip_address="127.0.0.1",
             log_to_driver=False,
         )
+        stop_log_monitor()
     else:
         ray.init(address=address, log_to_driver=False)
+
+
+def stop_log_monitor() -> None:
+    """Stops the log monitor of the Ray node this process started. It reads every worker's log
+    files ten times a second to forward new lines to drivers, and with log_to_driver off no
+    driver takes them (the files stay where they are): 0.7% of a core all day, taken from the
+    engine threads on a small host. `ray.init` has no switch for it; `Node.kill_log_monitor`
+    is how Ray's own tests stop it, so a Ray without it just keeps the monitor."""
+    node = getattr(ray._private.worker, "_global_node", None)
+    kill = getattr(node, "kill_log_monitor", None)
+    if kill is None:
+        return
+    try:
+        kill(check_alive=False)
+    except Exception as err:  # a private API: never a reason not to serve
+        log.debug("the log monitor keeps running: %s: %s", type(err).__name__, err)
 
 
 def cluster_device(device: str, address: str | None) -> str:

@@ -2,7 +2,7 @@
 cluster: gcs, raylet, agents, workers) if `tandem serve` itself dies without stopping them, by
 SIGKILL for instance. Ray's gcs and raylet share the driver's fate, but its agents outlive it.
 
-    serve ──pipe──> reaper (own session)      every 0.5 s: the serve process's descendants
+    serve ──pipe──> reaper (own session)      every 0.5-4 s: the serve process's descendants
     serve dies -> pipe closes -> reaper SIGKILLs the last descendants it saw (same start times);
     a scan that overlapped the death is dropped for the one before it
 
@@ -22,6 +22,10 @@ from collections.abc import Callable
 from pathlib import Path
 
 SCAN_S = 0.5
+# Each scan reads every process's stat on the host (~1.7 ms). The set changes when workers start
+# or leave, and the agents that would outlive the serve process are there from Ray's start, so
+# a scan that finds what the last one found doubles the wait for the next, up to this.
+MAX_SCAN_S = 4.0
 
 
 def start_reaper() -> subprocess.Popen | None:
@@ -83,15 +87,17 @@ def reap(seen: dict[int, str]) -> None:
 def last_scan(
     serve_pid: int, pipe: int, scan: Callable[[int], dict[int, str]] = descendants
 ) -> dict[int, str]:
-    """Scans `serve_pid`'s descendants every SCAN_S until it dies; returns the last scan taken
-    while it was surely alive. A scan that overlaps the death may have missed children already
+    """Scans `serve_pid`'s descendants every SCAN_S (backing off to MAX_SCAN_S while nothing
+    changes) until it dies; returns the last scan taken while it was surely alive. A scan that overlaps the death may have missed children already
     handed to init, so it is dropped: the kernel closes a dying process's files (our pipe)
     before it hands its children on, so a pipe at end of file after the scan says so."""
     seen: dict[int, str] = {}
-    while not _died(serve_pid, pipe, SCAN_S):
+    wait_s = SCAN_S
+    while not _died(serve_pid, pipe, wait_s):
         current = scan(serve_pid)
         if _died(serve_pid, pipe, 0):
             break
+        wait_s = min(2 * wait_s, MAX_SCAN_S) if current == seen else SCAN_S
         seen = current
     return seen
 

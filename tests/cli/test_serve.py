@@ -78,6 +78,7 @@ def test_defaults_are_the_configs_defaults(tmp_path) -> None:
 
 
 def test_every_kv_transport_choice_parses_and_is_registered() -> None:
+    import kvtransfer.ipc  # noqa: F401  (registers ipc)
     import kvtransfer.torch_dist  # noqa: F401  (registers gloo and nccl)
     import kvtransfer.ucx  # noqa: F401  (registers ucx, ucx-shm, ucx-tcp; ucxx loads later)
     from kvtransfer.transport import TRANSPORTS

@@ -82,3 +82,23 @@ def test_a_scan_that_overlaps_the_death_is_dropped_for_the_one_before() -> None:
         assert last_scan(os.getpid(), read_end, scan) == {101: "7", 102: "8"}
     finally:
         os.close(read_end)
+
+
+def test_scans_back_off_while_nothing_changes_and_return_to_the_start_on_a_change(
+    monkeypatch,
+) -> None:
+    from coordinator import reaper
+
+    scans = [{1: "a"}] * 5 + [{1: "a", 2: "b"}] * 2
+    waits: list[float] = []
+
+    def died(_pid: int, _pipe: int, wait_s: float) -> bool:
+        if wait_s == 0:  # the check right after a scan
+            return False
+        waits.append(wait_s)
+        return not scans
+
+    monkeypatch.setattr(reaper, "_died", died)
+    last = reaper.last_scan(1, -1, scan=lambda _pid: scans.pop(0))
+    assert last == {1: "a", 2: "b"}
+    assert waits == [0.5, 0.5, 1.0, 2.0, 4.0, 4.0, 0.5, 1.0]
