@@ -88,9 +88,10 @@ def last_scan(
     serve_pid: int, pipe: int, scan: Callable[[int], dict[int, str]] = descendants
 ) -> dict[int, str]:
     """Scans `serve_pid`'s descendants every SCAN_S (backing off to MAX_SCAN_S while nothing
-    changes) until it dies; returns the last scan taken while it was surely alive. A scan that overlaps the death may have missed children already
-    handed to init, so it is dropped: the kernel closes a dying process's files (our pipe)
-    before it hands its children on, so a pipe at end of file after the scan says so."""
+    changes) until it dies; returns the last scan taken while it was surely alive. A scan that
+    overlaps the death may have missed children already handed to init, so it is dropped: the
+    kernel closes a dying process's files (our pipe) before it hands its children on, so a pipe
+    at end of file after the scan says so."""
     seen: dict[int, str] = {}
     wait_s = SCAN_S
     while not _died(serve_pid, pipe, wait_s):

@@ -33,6 +33,7 @@ nothing but torch, which the GPU machines have, where ucxx is a separate CUDA-ve
 from __future__ import annotations
 
 import contextlib
+import ipaddress
 import itertools
 import math
 import mmap
@@ -130,6 +131,10 @@ def _lend_ring(device: torch.device, layout: dict) -> tuple[_Ring, dict]:
         try:
             os.ftruncate(fd, size)
             mapped = mmap.mmap(fd, size)
+        except OSError:  # no ring after all: nothing left in /dev/shm either
+            with contextlib.suppress(OSError):
+                os.unlink(path)
+            raise
         finally:
             os.close(fd)
         tensor = torch.frombuffer(mapped, dtype=torch.uint8)
@@ -380,7 +385,7 @@ class IpcChannel:
         """Reads a message's body into `flat` (None: reads and drops it)."""
         if nbytes <= self.ring.inline_bytes:
             data = recv_exactly(self.sock, nbytes)
-            if flat is not None:
+            if flat is not None and nbytes:  # (torch.frombuffer refuses an empty buffer)
                 flat.copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
                 streams.settle(self.device)
             return
@@ -447,7 +452,11 @@ class IpcTransport:
                     f"{here['device']} on {here['host']}); use nccl or ucx between them"
                 )
             return self.fallback.connect(rendezvous, f"{key}/apart", left(deadline))
-        ring, lent = _lend_ring(self.device, self.layout)
+        try:
+            ring, lent = _lend_ring(self.device, self.layout)
+        except (OSError, RuntimeError) as err:  # no memory for it, on the device or in /dev/shm
+            sock.close()  # the peer hears of it now, not at its deadline
+            raise TransferError(f"channel {key!r} did not open: no ring: {err}") from err
         try:
             send_message(sock, msgpack.packb(lent), deadline)
             if recv_message(sock, deadline) != b"mapped":
@@ -471,10 +480,14 @@ class IpcTransport:
                 rendezvous.set(f"{key}/ipc", msgpack.packb(offer))
                 server.settimeout(left(deadline))
                 sock, _ = server.accept()
+        except (OSError, TransferError) as err:
+            raise TransferError(f"channel {key!r}: no peer connected: {err}") from err
+        try:
             answer = recv_message(sock, deadline)
             rendezvous.delete_key(f"{key}/ipc")
         except (OSError, TransferError) as err:
-            raise TransferError(f"channel {key!r}: no peer connected: {err}") from err
+            sock.close()
+            raise TransferError(f"channel {key!r} did not open: {err}") from err
         if answer == b"apart":
             sock.close()
             if self.fallback is None:
@@ -484,12 +497,36 @@ class IpcTransport:
                 )
             return self.fallback.accept(rendezvous, f"{key}/apart", left(deadline))
         try:
+            peer, local = sock.getpeername()[0], sock.getsockname()[0]
+        except OSError:  # gone since it spoke
+            peer, local = "", ""
+        if not peer or not same_host(peer, local):
+            # A ring is only ever lent on one host, and its offer is unpickled (CUDA) or
+            # names a file to map: from anywhere else it is no peer of ours.
+            sock.close()
+            raise TransferError(
+                f"channel {key!r} did not open: a ring offered from another host, refused"
+            )
+        try:
             ring = _map_ring(msgpack.unpackb(answer))
             send_message(sock, b"mapped", deadline)
         except (OSError, RuntimeError, ValueError, KeyError, TransferError) as err:
             sock.close()
             raise TransferError(f"channel {key!r} did not open: {err}") from err
         return IpcChannel(_data_socket(sock), ring, self.device, key, sending=False)
+
+
+def same_host(peer: str, local: str) -> bool:
+    """Whether a connection that arrived at address `local` from `peer` came from this host:
+    over loopback, or from the very address it reached (a process of this host connecting to
+    one of the host's own addresses speaks from it)."""
+
+    def plain(address: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address:
+        ip = ipaddress.ip_address(address.split("%", 1)[0])  # (an IPv6 zone, if any)
+        return getattr(ip, "ipv4_mapped", None) or ip
+
+    peer_ip = plain(peer)
+    return peer_ip.is_loopback or peer_ip == plain(local)
 
 
 def _data_socket(sock: socket.socket) -> socket.socket:

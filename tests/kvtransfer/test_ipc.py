@@ -89,6 +89,57 @@ def test_the_shared_file_is_gone_once_the_channel_is_open(monkeypatch) -> None:
     tx.close(), accepted["rx"].close()
 
 
+def test_no_room_for_the_ring_is_a_clear_error_on_both_sides_and_leaves_no_file(
+    monkeypatch, tmp_path
+) -> None:
+    """The ring's file cannot be sized (a full /dev/shm, say): the sender fails at once, the
+    receiver hears of it rather than waiting out its deadline, and no file is left behind."""
+    monkeypatch.setattr(ipc.os.path, "isdir", lambda path: False)
+    monkeypatch.setattr(ipc.tempfile, "gettempdir", lambda: str(tmp_path))
+
+    def full(fd: int, size: int) -> None:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(ipc.os, "ftruncate", full)
+    start = time.monotonic()
+    with pytest.raises(TransferError, match="no ring"):
+        open_pair(IpcTransport(CPU), IpcTransport(CPU), accepted := {})
+    assert "did not open" in str(accepted["error"])
+    assert time.monotonic() - start < 5
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_an_empty_message_arrives() -> None:
+    tx, accepted = open_pair(IpcTransport(CPU), IpcTransport(CPU))
+    rx = accepted["rx"]
+    empty, after = torch.empty(0, dtype=torch.uint8), torch.arange(10, dtype=torch.uint8)
+    got_empty, got_after = torch.empty(0, dtype=torch.uint8), torch.empty(10, dtype=torch.uint8)
+    posted = [rx.recv_async(got_empty), rx.recv_async(got_after)]
+    for op in [tx.send_async(empty), tx.send_async(after), *posted]:
+        op.wait(10)
+    assert torch.equal(got_after, after)
+    tx.close(), rx.close()
+
+
+def test_only_this_host_may_offer_a_ring() -> None:
+    assert ipc.same_host("127.0.0.1", "127.0.0.1")
+    assert ipc.same_host("::1", "::1")
+    assert ipc.same_host("::ffff:127.0.0.1", "::ffff:127.0.0.1")
+    assert ipc.same_host("10.0.0.5", "10.0.0.5")  # this host, through its own address
+    assert ipc.same_host("::ffff:10.0.0.5", "10.0.0.5")
+    assert not ipc.same_host("10.0.0.7", "10.0.0.5")
+    assert not ipc.same_host("::ffff:10.0.0.7", "::ffff:10.0.0.5")
+
+
+def test_a_ring_offered_from_another_host_is_refused(monkeypatch) -> None:
+    monkeypatch.setattr(ipc, "same_host", lambda peer, local: False)
+    start = time.monotonic()
+    with pytest.raises(TransferError, match="did not open"):
+        open_pair(IpcTransport(CPU), IpcTransport(CPU), accepted := {})
+    assert "from another host, refused" in str(accepted["error"])
+    assert time.monotonic() - start < 5
+
+
 def test_a_message_larger_than_the_ring_arrives_whole() -> None:
     """Three slots of 1 MiB and messages of up to 7.5 MiB: the sender waits for slots the
     receiver empties; pieces and messages stay in order."""
