@@ -179,7 +179,15 @@ class Scheduler:
         bs = self.blocks.block_size
         passed_over: list[tuple[Sequence, bool]] = []  # (sequence, taken from the front)
         prefilling: list[Sequence] | None = None  # made when first needed
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+        # Passed-over requests take no budget and no seat, so a burst behind one prompt being
+        # prefilled would otherwise be walked (and prefix-matched) in full at every step; a
+        # step looks at no more of them than a batch holds, the rest wait their turn as before.
+        while (
+            self.waiting
+            and budget > 0
+            and len(self.running) < self.config.max_num_seqs
+            and len(passed_over) < self.config.max_num_seqs
+        ):
             seq = self._next_waiting()
             front = seq is self.waiting[0]
             hits = (

@@ -220,3 +220,21 @@ def test_a_block_is_waited_for_only_while_another_prefill_still_has_it_to_comput
     assert summary(plan) == [("a", 16, 8), ("tiny", 0, 3)]
     plan = run_step(s)
     assert ("b", 20, 4) in summary(plan)  # b: blocks 0-4 from the cache, its last computed
+
+
+def test_a_step_looks_at_no_more_passed_over_prompts_than_a_batch_holds() -> None:
+    """Forty copies of a prompt behind the one computing its blocks: a step passes over at most
+    max_num_seqs of them (not the whole line, prefix-matched at every step); they keep their
+    order and all start from the cache once it is there."""
+    s = make(num_blocks=128, max_seqs=8, budget=24)
+    for i in range(41):
+        s.add(seq(f"r{i}", 40))
+    matched = []
+    match = s.blocks.match_prefix
+    s.blocks.match_prefix = lambda *args: matched.append(1) or match(*args)
+    run_step(s)  # r0: tokens 0-23
+    matched.clear()
+    plan = run_step(s)  # r0: 24-39; r1.. wait for its block 6, computed in this step
+    assert summary(plan) == [("r0", 24, 16)]
+    assert len(matched) == 8  # max_num_seqs, not 40
+    assert [w.request_id for w in s.waiting] == [f"r{i}" for i in range(1, 41)]
