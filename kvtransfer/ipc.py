@@ -129,7 +129,12 @@ def _lend_ring(device: torch.device, layout: dict) -> tuple[_Ring, dict]:
         path = os.path.join(folder, f"tandem-kv-{token}")
         fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
         try:
-            os.ftruncate(fd, size)
+            # Allocated now: a /dev/shm too small for the ring is ENOSPC here, not a SIGBUS
+            # in the worker at its first write into a page the file never had.
+            if hasattr(os, "posix_fallocate"):
+                os.posix_fallocate(fd, 0, size)
+            else:
+                os.ftruncate(fd, size)
             mapped = mmap.mmap(fd, size)
         except OSError:  # no ring after all: nothing left in /dev/shm either
             with contextlib.suppress(OSError):

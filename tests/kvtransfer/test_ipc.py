@@ -97,10 +97,11 @@ def test_no_room_for_the_ring_is_a_clear_error_on_both_sides_and_leaves_no_file(
     monkeypatch.setattr(ipc.os.path, "isdir", lambda path: False)
     monkeypatch.setattr(ipc.tempfile, "gettempdir", lambda: str(tmp_path))
 
-    def full(fd: int, size: int) -> None:
+    def full(fd: int, *sizes: int) -> None:
         raise OSError(28, "No space left on device")
 
     monkeypatch.setattr(ipc.os, "ftruncate", full)
+    monkeypatch.setattr(ipc.os, "posix_fallocate", full)
     start = time.monotonic()
     with pytest.raises(TransferError, match="no ring"):
         open_pair(IpcTransport(CPU), IpcTransport(CPU), accepted := {})
