@@ -501,11 +501,7 @@ class IpcTransport:
                     "transport does not join; use nccl or ucx between them"
                 )
             return self.fallback.accept(rendezvous, f"{key}/apart", left(deadline))
-        try:
-            peer, local = sock.getpeername()[0], sock.getsockname()[0]
-        except OSError:  # gone since it spoke
-            peer, local = "", ""
-        if not peer or not same_host(peer, local):
+        if not _from_this_host(sock):
             # A ring is only ever lent on one host, and its offer is unpickled (CUDA) or
             # names a file to map: from anywhere else it is no peer of ours.
             sock.close()
@@ -519,6 +515,13 @@ class IpcTransport:
             sock.close()
             raise TransferError(f"channel {key!r} did not open: {err}") from err
         return IpcChannel(_data_socket(sock), ring, self.device, key, sending=False)
+
+
+def _from_this_host(sock: socket.socket) -> bool:
+    try:
+        return same_host(sock.getpeername()[0], sock.getsockname()[0])
+    except OSError:  # gone since it spoke
+        return False
 
 
 def same_host(peer: str, local: str) -> bool:
