@@ -114,11 +114,18 @@ async def _post(
             body = await response.content.read(ERROR_BODY_LIMIT)
             text = body.decode("utf-8", errors="replace")
             return describe_http_error(response.status, response.reason or "", text)
-        async for raw in response.content:  # one line per item, its newline included
-            line = raw.decode("utf-8", errors="replace").rstrip("\r\n")
-            error = stream.on_line(line, time.perf_counter())
-            if error is not None or stream.done:
-                return error
+        # Whatever bytes have arrived, split into lines here: one read and one clock reading
+        # per arrival rather than per line (an event is a `data:` line and a blank one).
+        partial = b""
+        async for data in response.content.iter_any():
+            now = time.perf_counter()
+            *lines, partial = (partial + data).split(b"\n")
+            if len(partial) > MAX_LINE_BYTES:
+                raise ValueError(f"an SSE line longer than {MAX_LINE_BYTES} bytes")
+            for raw in lines:
+                error = stream.on_line(raw.decode("utf-8", errors="replace").rstrip("\r"), now)
+                if error is not None or stream.done:
+                    return error
     return None if stream.done else "the stream ended before [DONE]"
 
 
