@@ -532,9 +532,12 @@ class Coordinator:
             self.room.leave(wake)
 
     def _unplace(self, request: TrackedRequest, work: WorkRequest) -> None:
+        """Undoes a placement that was not taken (refused, or its worker left mid-call): the
+        attempt goes on, placed again."""
         self._prefill_over(request, work)
         self.router.finished(request.route)
         request.route = None
+        request.forget_loss()  # (`_worker_left` lost it if its worker left meanwhile)
 
     def _prefill_over(self, request: TrackedRequest, work: WorkRequest) -> None:
         """Takes the attempt's prompt tokens off its prefill worker's queue in the router, once:

@@ -88,6 +88,13 @@ class TrackedRequest:
             self.lost_reason = reason
             self.ended.set()
 
+    def forget_loss(self) -> None:
+        """The attempt holds no worker again (it is being placed anew): a loss that a worker
+        leaving mid-reservation caused is void, or its next placement would end at once."""
+        if not self.failed and not self.finished:
+            self.lost_reason = None
+            self.ended.clear()
+
     def accept(self, update: TokenUpdate) -> bool:
         """Folds a worker's update in; True if a stop string ended the request (the caller
         then aborts it on its worker)."""

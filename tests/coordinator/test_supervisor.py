@@ -244,6 +244,26 @@ def test_a_reservation_cut_short_by_a_role_switch_is_placed_again(killed) -> Non
     run(main())
 
 
+def test_a_reservation_cut_short_by_a_role_switch_costs_no_attempt(killed) -> None:
+    """The switch lost the attempt while its reservation was out; placed again elsewhere in
+    the same attempt, it must not end at once on that stale loss (a second reservation and
+    prefill, the first ones aborted, and one of its MAX_ATTEMPTS spent for nothing)."""
+
+    async def main() -> None:
+        cluster = FakeCluster(CONFIG, num_prefill=1, num_decode=2)
+        cluster.decoder("decode-0").reserve_seconds = 0.3
+        async with cluster.running() as coordinator:
+            task = asyncio.ensure_future(tokens_of(coordinator))
+            await until(lambda: cluster.decode["decode-0"].ids("reserve") == ["req-0#1"])
+            await coordinator.switch_role("decode-0", "prefill")
+            assert await task == OUTPUT[:8]
+            assert cluster.decode["decode-1"].ids("reserve") == ["req-0#1"]
+            assert cluster.prefill["prefill-0"].ids("prefill") == ["req-0#1"]
+            assert cluster.decode["decode-1"].ids("abort") == []
+
+    run(main())
+
+
 def test_a_worker_ray_cannot_place_fails_the_start_with_what_it_asked(killed) -> None:
     async def main() -> None:
         config = CoordinatorConfig(block_size=4, placement_timeout=0.05, supervision=SUPERVISION)
