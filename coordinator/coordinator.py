@@ -21,7 +21,7 @@ import contextlib
 import itertools
 import logging
 import time
-from collections.abc import AsyncIterator, Callable, Coroutine
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -520,10 +520,8 @@ class Coordinator:
                 woken.set_result(None)
 
         self.room.wait(wake, arrived)
-        try:
-            await asyncio.wait_for(asyncio.shield(woken), max(0.0, deadline - time.monotonic()))
-        except TimeoutError:
-            pass
+        try:  # (asyncio.wait: see `_within`)
+            await asyncio.wait({woken}, timeout=max(0.0, deadline - time.monotonic()))
         except asyncio.CancelledError:
             if woken.done():  # its turn came as it left: the next in line gets it
                 self.room.freed()
@@ -585,7 +583,7 @@ class Coordinator:
             await self._call(
                 self.decode[decode_id].stream_updates, self.updates.endpoint, self.updates.secret
             )
-            stream = await asyncio.wait_for(connection, self.config.call_timeout)
+            stream = await _within(connection, self.config.call_timeout)
             while True:
                 for update in await stream.read():
                     self._dispatch(decode_id, update)
@@ -732,9 +730,26 @@ class Coordinator:
         log.log(level, "%s: %r", task.get_coro().__qualname__, err)
 
     async def _call(self, method, *args: Any, timeout: float | None = None) -> Any:
-        return await asyncio.wait_for(
-            method.remote(*args), timeout=timeout or self.config.call_timeout
-        )
+        return await _within(method.remote(*args), timeout or self.config.call_timeout)
+
+
+async def _within(awaitable: Awaitable, timeout: float) -> Any:
+    """`awaitable`'s result, or TimeoutError once `timeout` seconds have passed (it is then
+    cancelled). Not asyncio.wait_for: before Python 3.12 it returns a result that arrives with
+    the caller's cancellation and drops the cancellation, so a request whose client left just
+    as its reservation came back ran on to its end for nobody (and the client's close waited
+    for that)."""
+    future = asyncio.ensure_future(awaitable)
+    try:
+        done, _ = await asyncio.wait({future}, timeout=timeout)
+    except asyncio.CancelledError:
+        if not future.cancel() and not future.cancelled():
+            future.exception()  # (read: asyncio would log an error of it as never retrieved)
+        raise
+    if not done:
+        future.cancel()
+        raise TimeoutError
+    return future.result()
 
 
 def _is_eof(err: BaseException) -> bool:

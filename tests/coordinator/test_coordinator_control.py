@@ -135,6 +135,35 @@ def test_client_leaving_aborts_the_request_on_its_workers() -> None:
     run(main())
 
 
+def test_a_client_leaving_just_as_its_reservation_answers_ends_the_request() -> None:
+    """The cancellation and the reply land in one turn of the loop: asyncio.wait_for (before
+    Python 3.12) returned the reply and dropped the cancellation, so the request was prefilled
+    and decoded to its end for nobody, and the client's close waited for all of it."""
+
+    async def main() -> None:
+        cluster = FakeCluster(CONFIG)
+        decoder = cluster.decoder()
+        decoder.step_seconds = 0.1  # its 8 tokens take 0.4 s
+        reserve = decoder.reserve
+
+        async def reserve_as_the_client_leaves(*args):
+            ticket = await reserve(*args)
+            client.cancel()
+            return ticket
+
+        decoder.reserve = reserve_as_the_client_leaves
+        async with cluster.running() as coordinator:
+            client = asyncio.ensure_future(stream(coordinator, SamplingParams(max_tokens=8)))
+            started = time.monotonic()
+            await asyncio.wait({client})
+            assert time.monotonic() - started < 0.2  # not the whole request's time
+            assert cluster.prefill["prefill-0"].ids("prefill") == []
+            assert cluster.decode["decode-0"].ids("abort") == ["req-0#1"]
+            assert coordinator.router.decode["decode-0"].running == 0
+
+    run(main())
+
+
 async def _take_tokens(tokens, count: int):
     seen = 0
     async for output in tokens:
