@@ -284,7 +284,7 @@ class LLMEngine:
         RequestFailed); the rest go on."""
         started = time.perf_counter()
         threads = torch.get_num_threads()
-        plan = self.scheduler.schedule()
+        plan = self.scheduler.schedule(len(self.reserved))
         if not plan.chunks:
             return []
         try:

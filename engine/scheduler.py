@@ -146,7 +146,9 @@ class Scheduler:
     def num_unfinished(self) -> int:
         return len(self.waiting) + len(self.running)
 
-    def schedule(self) -> StepPlan:
+    def schedule(self, num_reserved: int = 0) -> StepPlan:
+        """`num_reserved`: seats promised to sequences whose KV is arriving (`LLMEngine.reserve`,
+        counted by `has_room`); waiting sequences are admitted only into the others."""
         budget = self.config.max_num_batched_tokens
         chunks: list[ScheduledChunk] = []
         preempted: list[Sequence] = []
@@ -172,10 +174,11 @@ class Scheduler:
                 budget -= n
                 i += 1
         if not preempted:
-            budget = self._admit_waiting(budget, chunks)
+            seats = self.config.max_num_seqs - num_reserved
+            budget = self._admit_waiting(budget, chunks, seats)
         return StepPlan(tuple(chunks), tuple(preempted))
 
-    def _admit_waiting(self, budget: int, chunks: list[ScheduledChunk]) -> int:
+    def _admit_waiting(self, budget: int, chunks: list[ScheduledChunk], seats: int) -> int:
         bs = self.blocks.block_size
         passed_over: list[tuple[Sequence, bool]] = []  # (sequence, taken from the front)
         prefilling: list[Sequence] | None = None  # made when first needed
@@ -185,7 +188,7 @@ class Scheduler:
         while (
             self.waiting
             and budget > 0
-            and len(self.running) < self.config.max_num_seqs
+            and len(self.running) < seats
             and len(passed_over) < self.config.max_num_seqs
         ):
             seq = self._next_waiting()

@@ -402,7 +402,7 @@ class Simulation:
     def _start_step(self, worker: SimWorker, epoch: int) -> None:
         if not worker.alive or epoch != worker.epoch or self._leap(worker):
             return
-        plan = worker.scheduler.schedule()
+        plan = worker.scheduler.schedule(len(worker.reserved))
         if not plan.chunks:  # nothing fits until blocks free up; a finish wakes it
             worker.stepping = False
             return

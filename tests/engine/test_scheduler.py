@@ -63,6 +63,15 @@ def test_max_num_seqs_limits_admission() -> None:
     assert [x.request_id for x in s.waiting] == ["c"]
 
 
+def test_seats_promised_to_arriving_kv_are_not_given_to_waiting_requests() -> None:
+    s = make(max_seqs=3)
+    for name in "abc":
+        s.add(seq(name, 3))
+    plan = s.schedule(num_reserved=2)  # two requests' KV is on its way: one seat is left
+    assert [c[0] for c in summary(plan)] == ["a"]
+    assert [x.request_id for x in s.waiting] == ["b", "c"]
+
+
 def test_pool_exhaustion_preempts_the_newest_and_recomputes_it() -> None:
     s = make(num_blocks=4)  # 16 tokens of KV
     s.add(seq("old", 7))
