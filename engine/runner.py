@@ -122,7 +122,8 @@ class ModelRunner:
         if (
             graphs is not None
             and on_layer is None
-            and len(spec.logits_rows) == len(sampling)  # no prompt scored (captured: one row each)
+            # every row samples, none is scored: a graph's logits are those of all its rows
+            and len(spec.logits_rows) == len(sampling) == len(spec.input_ids)
             and graphs.fits(len(spec.input_ids), spec.decode_tables, bool(spec.prefills))
         ):
             logits = graphs.run(

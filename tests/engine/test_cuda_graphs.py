@@ -100,3 +100,26 @@ def test_cuda_graph_replays_give_the_eager_tokens(tiny_llama) -> None:
     expected = [out.token_ids for out in eager.generate_ids(prompts, GREEDY)]
     assert [out.token_ids for out in graphs.generate_ids(prompts, GREEDY)] == expected
     assert [graphs.generate_ids([p], GREEDY)[0].token_ids for p in prompts[:2]] == expected[:2]
+
+
+def test_a_one_token_prompt_chunk_among_decodes_lends_no_decode_its_logits(tiny_llama) -> None:
+    """At a budget of 2, a prompt prefilled here ahead of a request whose KV arrived (a decode
+    worker's batch) computes 1 token a step beside its decode: a step of 1-token rows a
+    bucket holds, one of which samples nothing."""
+
+    def decoded(llm: LLM) -> list[int]:
+        engine = llm.engine
+        engine.add_request("local", list(range(5, 15)), GREEDY)
+        engine.step()  # its first 2 tokens
+        engine.reserve("remote", [20, 21, 22], GREEDY)
+        engine.admit("remote", 23)
+        tokens = []
+        for _ in range(4):  # local: 1 prompt token a step; remote: 1 decode
+            tokens += [u.token_ids[0] for u in engine.step() if u.request_id == "remote"]
+        return tokens
+
+    options = {"max_num_seqs": 2, "max_num_batched_tokens": 2}
+    eager = LLM(tiny_llama, dtype="float32", block_size=4, num_kv_blocks=128, **options)
+    llm, runs = padded_llm(tiny_llama, **options)
+    assert decoded(llm) == decoded(eager)
+    assert runs == []  # a row that samples nothing: no bucket's logits are the step's
