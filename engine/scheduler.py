@@ -158,7 +158,8 @@ class Scheduler:
             seq = self.running[i]
             is_decode = seq.num_uncomputed_tokens == 1
             decodes_left -= is_decode
-            n = min(seq.num_uncomputed_tokens, budget - decodes_left)
+            # a prompt chunk leaves a token for each decode behind it; a decode takes its own
+            n = 1 if is_decode else min(seq.num_uncomputed_tokens, budget - decodes_left)
             if n <= 0:
                 i += 1
                 continue

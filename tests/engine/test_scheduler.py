@@ -55,6 +55,16 @@ def test_decodes_are_not_starved_by_a_long_prefill() -> None:
     assert plan.num_batched_tokens <= 8
 
 
+def test_decodes_beyond_the_budget_go_oldest_first() -> None:
+    s = make(budget=2)
+    for name, first in (("a", 1), ("b", 20), ("c", 40)):  # KV received: decoding at once
+        running = seq(name, 3, first)
+        running.block_table = s.blocks.allocate(1)
+        s.add_running(running)
+        running.token_ids.append(999)
+    assert summary(run_step(s)) == [("a", 3, 1), ("b", 3, 1)]
+
+
 def test_max_num_seqs_limits_admission() -> None:
     s = make(max_seqs=2)
     for name in "abc":
