@@ -38,6 +38,7 @@ from coordinator.api.responses import (
     ModelList,
     TokenizeResponse,
 )
+from coordinator.api.sse import SERVER_SEND
 
 # Probes and scrapers carry no key (/ping and /version: vLLM's, which load balancers call).
 OPEN_PATHS = frozenset({"/health", "/ping", "/ready", "/metrics", "/version"})
@@ -56,7 +57,7 @@ def create_app(client: EngineClient, settings: ServerSettings | None = None) -> 
         yield
         await client.shutdown()
 
-    app = FastAPI(title="tandem", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app = App(title="tandem", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.tandem = ctx
     install_error_handlers(app)
     app.include_router(router)
@@ -75,6 +76,16 @@ def create_app(client: EngineClient, settings: ServerSettings | None = None) -> 
             allow_headers=["*"],
         )
     return app
+
+
+class App(FastAPI):
+    """FastAPI, handing the server's own `send` down in the scope: event streams send their
+    body chunks with it, past the middlewares (coordinator/api/sse.py, SERVER_SEND)."""
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            scope[SERVER_SEND] = send
+        await super().__call__(scope, receive, send)
 
 
 class BodyLimit:

@@ -17,6 +17,8 @@ from coordinator.api.errors import as_api_error
 from coordinator.api.streams import closing
 
 DONE = b"data: [DONE]\n\n"
+# The scope key under which the app (coordinator/api/app.py) hands down the server's own `send`.
+SERVER_SEND = "tandem.server_send"
 
 
 def frame(payload: BaseModel) -> bytes:
@@ -91,19 +93,31 @@ class EventStream(StreamingResponse):
             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
         )
         self._on_close = on_close
+        self._server_send: Send | None = None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         # `frames` calls on_close once started; a client that leaves while the response's
         # start is being sent cancels it before the body is ever read, and an async generator
         # closed before its first step runs none of its code: the callback (which is
         # idempotent) must run here too, or the admission ticket is never given back.
+        self._server_send = scope.get(SERVER_SEND)
         try:
             await super().__call__(scope, receive, send)
         finally:
             self._on_close()
 
     async def stream_response(self, send: Send) -> None:
+        # The start goes through the middlewares (CORS headers; the error handlers' record that
+        # a response began); the body, a message per token per stream, goes to the server
+        # directly when the app handed its `send` down (SERVER_SEND): none of the middlewares
+        # looks at a body, and passing each chunk through their wrappers cost ~10% of the
+        # serving process per token (benchmarks/api_overhead.py).
+        await send({"type": "http.response.start", "status": self.status_code,
+                    "headers": self.raw_headers})  # fmt: skip
+        body = self._server_send or send
         # Starlette stops iterating when the client goes away but leaves the body open, and
         # an open async generator only runs its cleanup when garbage collected.
         async with closing(self.body_iterator):
-            await super().stream_response(send)
+            async for chunk in self.body_iterator:
+                await body({"type": "http.response.body", "body": chunk, "more_body": True})
+        await body({"type": "http.response.body", "body": b"", "more_body": False})

@@ -3,6 +3,8 @@ without it learns nothing else about its request."""
 
 from __future__ import annotations
 
+import json
+
 import httpx
 import openai
 import pytest
@@ -84,3 +86,17 @@ def test_no_origins_means_no_cors(serve, tiny_llama) -> None:
         assert http.options("/v1/chat/completions", headers=PREFLIGHT).status_code == 405
         answer = http.get("/v1/models", headers={"Origin": PREFLIGHT["Origin"]})
         assert "access-control-allow-origin" not in answer.headers
+
+
+def test_a_streamed_answer_carries_the_cors_headers_and_its_whole_body(server) -> None:
+    # The start of an event stream passes the middlewares; its chunks go to the server directly.
+    headers = {"Origin": PREFLIGHT["Origin"], "Authorization": f"Bearer {KEY}"}
+    body = {**COMPLETION, "stream": True, "max_tokens": 5, "ignore_eos": True}
+    url = server.url + "/v1/completions"
+    with httpx.stream("POST", url, json=body, headers=headers) as answer:
+        assert answer.status_code == 200
+        assert answer.headers["access-control-allow-origin"] == "*"
+        events = [line for line in answer.iter_lines() if line.startswith("data: ")]
+    assert events[-1] == "data: [DONE]"
+    chunks = [json.loads(event.removeprefix("data: ")) for event in events[:-1]]
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
