@@ -297,6 +297,46 @@ def test_requests_waiting_for_decode_room_get_in_first_come_first_served() -> No
     run(main())
 
 
+def test_a_waiter_whose_try_fails_passes_its_turn_on() -> None:
+    """The first in line is woken and its reservation fails (not refused: the call itself
+    fails). The next in line gets the turn at once (the failed attempt's end passes it on), not
+    at the next stats poll (60 s here)."""
+
+    async def main() -> None:
+        cluster = FakeCluster(replace(CONFIG, capacity_wait=4.0))
+        decoder = cluster.decoder()
+        decoder.room = False
+        reserve = decoder.reserve
+        failed: list[str] = []
+
+        async def failing_once_there_is_room(work, *args):
+            if decoder.room and not failed:
+                failed.append(work.request_id)
+                raise RuntimeError("the reservation failed")
+            return await reserve(work, *args)
+
+        decoder.reserve = failing_once_there_is_room
+        params = SamplingParams(max_tokens=4)
+        async with cluster.running() as coordinator:
+            first = asyncio.ensure_future(stream(coordinator, params, "req-a"))
+            while len(coordinator.room) < 1:
+                await asyncio.sleep(0.005)
+            second = asyncio.ensure_future(stream(coordinator, params, "req-b"))
+            while len(coordinator.room) < 2:
+                await asyncio.sleep(0.005)
+            decoder.room = True
+            coordinator.room.freed()  # once, as one request ending there would
+            started = time.monotonic()
+            (_, error_a), (outputs_b, error_b) = await asyncio.gather(first, second)
+            waited = time.monotonic() - started
+        assert failed == ["req-a#1"]
+        assert error_b is None and streamed_tokens(outputs_b) == OUTPUT[:4]
+        assert waited < 1.0  # not the 4 s capacity wait
+        assert error_a is None or "reservation failed" in str(error_a)
+
+    run(main())
+
+
 def test_dead_decode_pool_fails_the_request() -> None:
     async def main() -> None:
         cluster = FakeCluster(CONFIG)
