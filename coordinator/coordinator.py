@@ -279,8 +279,11 @@ class Coordinator:
         except Exception as err:
             self.supervisor.report_dead(entry.worker_id, f"role switch failed: {_brief(err)}")
             raise
+        finally:  # its old role's handle (`_worker_left` kept it while the switch ran) goes,
+            # whether the switch failed (the worker, retired, was not serving: nothing else
+            # drops it) or not
+            (self.prefill if entry.pool == "prefill" else self.decode).pop(entry.worker_id, None)
         self.router.remove(entry.worker_id)
-        (self.prefill if entry.pool == "prefill" else self.decode).pop(entry.worker_id, None)
         self.supervisor.end_switch(entry.worker_id, role)
         self._worker_joined(entry, self.max_model_len)
 

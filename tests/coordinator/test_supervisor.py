@@ -225,6 +225,28 @@ def test_role_switch_moves_running_decodes_and_loses_nothing(killed) -> None:
     run(main())
 
 
+def test_a_failed_role_switch_leaves_no_handle_behind(killed) -> None:
+    """The switch takes the worker out of routing and keeps its handle for its new role; when
+    `set_role` fails the worker is retired, and its handle goes with it (the prefill pool's
+    handles are what decode workers' departures call `forget_peer` on)."""
+
+    def cannot(role: str, worker_id: str):
+        raise RuntimeError("no memory for the new role")
+
+    async def main() -> None:
+        cluster = FakeCluster(CONFIG, num_prefill=2, num_decode=1)
+        cluster.prefill["prefill-1"].make_role = cannot
+        async with cluster.running() as coordinator:
+            with pytest.raises(RuntimeError, match="no memory"):
+                await coordinator.switch_role("prefill-1", "decode")
+            assert "prefill-1" not in coordinator.prefill
+            assert "prefill-1" not in coordinator.decode
+            assert "prefill-1" not in coordinator.supervisor.workers
+            assert await tokens_of(coordinator, "after") == OUTPUT[:8]
+
+    run(main())
+
+
 def test_a_reservation_cut_short_by_a_role_switch_is_placed_again(killed) -> None:
     # A worker whose role ends mid-call answers with an error of its own, not a dead actor's.
     async def main() -> None:
