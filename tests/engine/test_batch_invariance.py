@@ -51,8 +51,8 @@ def test_preemption_actually_happens(tiny_llama, prompts) -> None:
     counts = []
     original = llm.engine.scheduler.schedule
 
-    def spy():
-        plan = original()
+    def spy(*args):
+        plan = original(*args)
         counts.append(len(plan.preempted))
         return plan
 
