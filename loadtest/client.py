@@ -126,6 +126,11 @@ async def _post(
                 error = stream.on_line(raw.decode("utf-8", errors="replace").rstrip("\r"), now)
                 if error is not None or stream.done:
                     return error
+        if partial:  # a last line the server did not end (as readline, taken at the end)
+            line = partial.decode("utf-8", errors="replace").rstrip("\r")
+            error = stream.on_line(line, time.perf_counter())
+            if error is not None:
+                return error
     return None if stream.done else "the stream ended before [DONE]"
 
 

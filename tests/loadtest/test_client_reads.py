@@ -86,3 +86,8 @@ def test_done_split_across_reads(cut: int) -> None:
     body = event("z") + DONE
     result = asyncio.run(fetch([body[: len(body) - cut], body[len(body) - cut :]]))
     assert result.error is None and result.generated_text == "z"
+
+
+def test_a_last_line_without_its_newline_still_counts() -> None:
+    result = asyncio.run(fetch([event("q"), b"data: [DONE]"]))
+    assert result.error is None and result.generated_text == "q"
