@@ -266,6 +266,17 @@ def test_full_decode_pool_fails_the_request_after_capacity_wait() -> None:
     run(main())
 
 
+async def two_in_line(coordinator: Coordinator, params: SamplingParams) -> list[asyncio.Future]:
+    """Requests "req-a" then "req-b", each sent once the one before waits in the decode-room
+    line (their decode worker has no room)."""
+    streams = []
+    for i, request_id in enumerate(("req-a", "req-b")):
+        streams.append(asyncio.ensure_future(stream(coordinator, params, request_id)))
+        while len(coordinator.room) < i + 1:
+            await asyncio.sleep(0.005)
+    return streams
+
+
 def test_requests_waiting_for_decode_room_get_in_first_come_first_served() -> None:
     async def main() -> None:
         cluster = FakeCluster(replace(CONFIG, capacity_wait=4.0))
@@ -273,12 +284,7 @@ def test_requests_waiting_for_decode_room_get_in_first_come_first_served() -> No
         decoder.room = False
         params = SamplingParams(max_tokens=4)
         async with cluster.running() as coordinator:
-            first = asyncio.ensure_future(stream(coordinator, params, "req-a"))
-            while len(coordinator.room) < 1:
-                await asyncio.sleep(0.005)
-            second = asyncio.ensure_future(stream(coordinator, params, "req-b"))
-            while len(coordinator.room) < 2:
-                await asyncio.sleep(0.005)
+            first, second = await two_in_line(coordinator, params)
             assert cluster.decode["decode-0"].ids("reserve") == [
                 "req-a#1"
             ]  # b waits behind a, without asking
@@ -318,12 +324,7 @@ def test_a_waiter_whose_try_fails_passes_its_turn_on() -> None:
         decoder.reserve = failing_once_there_is_room
         params = SamplingParams(max_tokens=4)
         async with cluster.running() as coordinator:
-            first = asyncio.ensure_future(stream(coordinator, params, "req-a"))
-            while len(coordinator.room) < 1:
-                await asyncio.sleep(0.005)
-            second = asyncio.ensure_future(stream(coordinator, params, "req-b"))
-            while len(coordinator.room) < 2:
-                await asyncio.sleep(0.005)
+            first, second = await two_in_line(coordinator, params)
             decoder.room = True
             coordinator.room.freed()  # once, as one request ending there would
             started = time.monotonic()
