@@ -34,6 +34,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from engine.outputs import RequestOutput, read_stream  # noqa: E402
+from loadtest.serve_process import free_port  # noqa: E402
 
 START_TIMEOUT_S = 60.0
 RUN_TIMEOUT_S = 600.0
@@ -222,14 +223,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--json", type=Path)
     p.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)  # the child
     return p.parse_args(argv)
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def main(argv: list[str] | None = None) -> int:
