@@ -30,10 +30,11 @@ class Histogram:
         if not self.counts:
             self.counts = [0] * (len(self.bounds) + 1)
 
-    def observe(self, value: float) -> None:
-        self.counts[bisect.bisect_left(self.bounds, value)] += 1
-        self.count += 1
-        self.total += value
+    def observe(self, value: float, times: int = 1) -> None:
+        """`times` observations of `value`."""
+        self.counts[bisect.bisect_left(self.bounds, value)] += times
+        self.count += times
+        self.total += value * times
 
     def cumulative(self) -> tuple[int, ...]:
         """Cumulative counts per finite bound, as Prometheus buckets are."""

@@ -8,13 +8,15 @@ Each app has its own registry: several servers in one process (tests) never shar
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
+from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily, Metric
+from prometheus_client.registry import Collector
 
 from coordinator.api.planner_metrics import PlannerCollector
 from coordinator.api.streams import closing
-from coordinator.api.worker_metrics import WorkerStatsCollector
+from coordinator.api.worker_metrics import WorkerStatsCollector, histogram_buckets
 from coordinator.planner_loop import PlannerLoop
 from engine.outputs import RequestOutput
 from protocol.stats import Histogram as ProtocolHistogram
@@ -35,6 +37,13 @@ REQUEST_BUCKETS = (
 
 
 class ServerMetrics:
+    """The request-level series. The inter-token histogram and the token counter move once
+    per token per stream, so all of them are plain fixed-bucket histograms and integers
+    (`protocol.stats.Histogram`: a bisect and three additions, 0.4 us) exported at scrape time
+    by `_RequestCollector`, where prometheus-client's Histogram takes a lock and walks its
+    buckets in Python (1.4 us, and its Counter 0.7 us). Observed and scraped on the event
+    loop's thread only."""
+
     def __init__(
         self,
         model: str,
@@ -46,24 +55,12 @@ class ServerMetrics:
     ) -> None:
         self.model = model
         self.registry = r = CollectorRegistry()
-        self.ttft = self._histogram(
-            "time_to_first_token_seconds", "Arrival to first token.", LATENCY_BUCKETS
-        )
-        self.itl = self._histogram(
-            "inter_token_latency_seconds", "Time between output tokens.", TOKEN_GAP_BUCKETS
-        )
-        self.e2e = self._histogram(
-            "e2e_request_latency_seconds", "Arrival to last token.", REQUEST_BUCKETS
-        )
-        self.queue_time = self._histogram(
-            "request_queue_time_seconds", "Time waiting to be scheduled.", REQUEST_BUCKETS
-        )
-        self.prompt_tokens = Counter(
-            "tandem:prompt_tokens", "Prompt tokens of started requests.", ["model"], registry=r
-        ).labels(model)
-        self.generation_tokens = Counter(
-            "tandem:generation_tokens", "Generated tokens.", ["model"], registry=r
-        ).labels(model)
+        self.ttft = ProtocolHistogram(LATENCY_BUCKETS)
+        self.itl = ProtocolHistogram(TOKEN_GAP_BUCKETS)
+        self.e2e = ProtocolHistogram(REQUEST_BUCKETS)
+        self.queue_time = ProtocolHistogram(REQUEST_BUCKETS)
+        self.prompt_tokens = 0
+        self.generation_tokens = 0
         self.success = Counter(
             "tandem:request_success", "Finished requests, by finish reason.",
             ["model", "finished_reason"], registry=r,
@@ -73,15 +70,10 @@ class ServerMetrics:
             ["model"], registry=r,
         )  # fmt: skip
         waiting.labels(model).set_function(admission_waiting)
+        r.register(_RequestCollector(self))
         r.register(WorkerStatsCollector(model, worker_stats, pools, handover))
         if planner is not None:
             r.register(PlannerCollector(model, planner))
-
-    def _histogram(self, name: str, text: str, buckets: tuple[float, ...]) -> Histogram:
-        family = Histogram(
-            f"tandem:{name}", text, ["model"], buckets=buckets, registry=self.registry
-        )
-        return family.labels(self.model)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
@@ -107,13 +99,12 @@ class ServerMetrics:
                         queued = True
                     if last is None:
                         self._first_output(output, now - arrival)
-                        for _ in range(num_new - 1):  # tokens joined to the first came with it
-                            self.itl.observe(0.0)
+                        if num_new > 1:  # tokens joined to the first came with it
+                            self.itl.observe(0.0, num_new - 1)
                     elif num_new:  # a batch of k tokens counts as k gaps of 1/k of the wait
-                        for _ in range(num_new):
-                            self.itl.observe((now - last) / num_new)
+                        self.itl.observe((now - last) / num_new, num_new)
                     last = now
-                    self.generation_tokens.inc(num_new)
+                    self.generation_tokens += num_new
                     if output.finished:
                         self.e2e.observe(now - arrival)
                         self.success.labels(self.model, output.finish_reason).inc()
@@ -128,4 +119,37 @@ class ServerMetrics:
 
     def _first_output(self, output: RequestOutput, ttft: float) -> None:
         self.ttft.observe(ttft)
-        self.prompt_tokens.inc(len(output.prompt_token_ids))
+        self.prompt_tokens += len(output.prompt_token_ids)
+
+
+# (name, help, ServerMetrics attribute) of the request-level histograms and counters.
+_HISTOGRAMS = (
+    ("tandem:time_to_first_token_seconds", "Arrival to first token.", "ttft"),
+    ("tandem:inter_token_latency_seconds", "Time between output tokens.", "itl"),
+    ("tandem:e2e_request_latency_seconds", "Arrival to last token.", "e2e"),
+    ("tandem:request_queue_time_seconds", "Time waiting to be scheduled.", "queue_time"),
+)
+_COUNTERS = (
+    ("tandem:prompt_tokens", "Prompt tokens of started requests.", "prompt_tokens"),
+    ("tandem:generation_tokens", "Generated tokens.", "generation_tokens"),
+)
+
+
+class _RequestCollector(Collector):
+    def __init__(self, metrics: ServerMetrics) -> None:
+        self.metrics = metrics
+
+    def describe(self) -> list[Metric]:
+        return []  # nothing to check at registration; the names are fixed above
+
+    def collect(self) -> Iterator[Metric]:
+        m, labels = self.metrics, [self.metrics.model]
+        for name, text, attribute in _HISTOGRAMS:
+            h: ProtocolHistogram = getattr(m, attribute)
+            family = HistogramMetricFamily(name, text, labels=["model"])
+            family.add_metric(labels, histogram_buckets(h), h.total)
+            yield family
+        for name, text, attribute in _COUNTERS:
+            family = CounterMetricFamily(name, text, labels=["model"])
+            family.add_metric(labels, float(getattr(m, attribute)))
+            yield family

@@ -111,8 +111,7 @@ class WorkerStatsCollector(Collector):
             "dispatch). Wall clocks: across hosts it includes their skew.",
             labels=["model"],
         )
-        buckets = _buckets(handover.bounds, handover.cumulative(), handover.count)
-        family.add_metric([self.model], buckets, handover.total)
+        family.add_metric([self.model], histogram_buckets(handover), handover.total)
         return family
 
     def _pool_states(self, workers: list[PoolWorker]) -> Iterator[Metric]:
@@ -201,3 +200,7 @@ def _buckets(
 ) -> list[tuple[str, float]]:
     """Prometheus' (le, cumulative count) pairs, +Inf last."""
     return [*((str(b), n) for b, n in zip(bounds, cumulative, strict=True)), ("+Inf", count)]
+
+
+def histogram_buckets(histogram: Histogram) -> list[tuple[str, float]]:
+    return _buckets(histogram.bounds, histogram.cumulative(), histogram.count)

@@ -156,3 +156,32 @@ def test_a_pool_whose_last_worker_left_reads_zero_serving() -> None:
     text = generate_latest(registry).decode()
     assert 'pool_workers{model="m",pool="decode",state="serving"} 0.0' in text
     assert 'worker_restarts_total{model="m",pool="decode"} 2.0' in text
+
+
+def test_joined_tokens_count_as_that_many_gaps_and_tokens() -> None:
+    # Outputs that queued while the stream was busy arrive joined: k tokens in one output are
+    # k inter-token gaps of 1/k of the wait each (the first output's extra tokens, gaps of 0).
+    metrics = ServerMetrics("tiny", list, lambda: 0)
+
+    async def outputs():
+        yield RequestOutput("r", [1, 2], [3, 4], delta_token_ids=[3, 4])
+        await asyncio.sleep(0.2)
+        yield RequestOutput("r", [1, 2], [3, 4, 5, 6, 7], delta_token_ids=[5, 6, 7],
+                            finish_reason="length")  # fmt: skip
+
+    async def drain() -> None:
+        async for _ in metrics.track(outputs(), 0.0):
+            pass
+
+    asyncio.run(drain())
+    samples = {
+        (s.name, s.labels.get("le")): s.value
+        for family in text_string_to_metric_families(metrics.render().decode())
+        for s in family.samples
+    }
+    assert samples[("tandem:generation_tokens_total", None)] == 5
+    assert samples[("tandem:prompt_tokens_total", None)] == 2
+    assert samples[("tandem:inter_token_latency_seconds_count", None)] == 4
+    assert samples[("tandem:inter_token_latency_seconds_bucket", "0.001")] == 1  # the 0 gap
+    assert samples[("tandem:inter_token_latency_seconds_bucket", "0.05")] == 1  # 3 of >= 0.066
+    assert samples[("tandem:inter_token_latency_seconds_sum", None)] >= 0.19
