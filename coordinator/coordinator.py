@@ -559,8 +559,8 @@ class Coordinator:
         self._prefill_over(request, work)
         self.router.finished(route)
         self.room.freed()
-        if request.finished:  # its worker already freed it (a stop string aborted it there)
-            return
+        if request.finished and not request.abort_owed:
+            return  # its worker already freed it (a stop string found here aborted it there)
         for worker_id, pool in ((route.decode_id, self.decode), (route.prefill_id, self.prefill)):
             # (not in `pool` any more: it switched roles meanwhile, and its old role is gone)
             handle = pool.get(worker_id) if worker_id is not None else None

@@ -58,6 +58,9 @@ class TrackedRequest:
         self.stream_interval = stream_interval
         self._held_ids: list[int] = []
         self._held_logprobs: list[TokenLogprobs | None] = []
+        # A stop string in held tokens, found as the request failed: nothing told its workers,
+        # so ending its attempt must (a finish otherwise means they dropped it already).
+        self.abort_owed = False
 
     @property
     def worker_request_id(self) -> str:
@@ -180,7 +183,7 @@ class TrackedRequest:
 
     def fail(self, err: Exception) -> None:
         if self._held_ids and not self.finished:  # what was generated reaches the client first
-            self._emit([], [], None, None, flush=True)
+            self.abort_owed = self._emit([], [], None, None, flush=True)
         self.failed = True
         self.stream.put_nowait(StreamFailed(err))
         self.ended.set()

@@ -638,3 +638,22 @@ def test_a_lost_attempt_still_hears_its_prefill_workers_verdict(error, raised) -
             asyncio.run(go())
     else:
         assert asyncio.run(go()) is None
+
+
+def test_a_stop_string_found_in_held_tokens_as_a_request_fails_frees_its_seat() -> None:
+    # Attempt 1 streams "k" and holds "l", "m" (a stream interval of 4), then is lost; attempt
+    # 2's prefill fails for good. Failing flushes the held text, where the stop string "lm"
+    # ends the request: its attempt must still give back the decode seat it reserved.
+    async def main() -> None:
+        cluster = FakeCluster(replace(CONFIG, stream_interval=4), num_prefill=1)
+        cluster.decoder().failures = {"req-0#1": 3}
+        cluster.prefiller().failures = {"req-0#2": InvalidOutputError("bad schema")}
+        async with cluster.running() as coordinator:
+            outputs, _ = await stream(coordinator, SamplingParams(max_tokens=8, stop=["lm"]))
+            await asyncio.sleep(0.05)  # the aborts are sent, not awaited
+        assert "".join(o.delta_text for o in outputs) == "k"
+        assert outputs[-1].finish_reason == "stop"
+        assert cluster.decode["decode-0"].ids("reserve") == ["req-0#1", "req-0#2"]
+        assert "req-0#2" in cluster.decode["decode-0"].ids("abort")
+
+    run(main())
