@@ -30,7 +30,7 @@ import torch
 from kvtransfer.lane import Job, Lane, OpenChannel, SendFrame, SendLayer, SendRecord, Stop
 from kvtransfer.transport import TransferError, Transport
 from kvtransfer.wire import AbortFrame, DoneFrame, StepFrame
-from protocol.kv import Ticket, base_key
+from protocol.kv import Ticket, base_key, key_generation
 
 REMEMBERED = 10_000  # failed requests and broken channel keys, the most recent
 
@@ -118,24 +118,38 @@ class KVSender:
         with self._lock:
             if self._closed:
                 return  # as if queued behind the stop: never sent
-            broke = key in self._broken
-            if not broke:
-                lane = self._lanes.get(key)
-                if lane is None:
-                    lane = self._lanes[key] = self._new_lane(key, job.ticket.decode_id)
+            lane = self._lanes.get(key)
+            if lane is None and key not in self._broken:
+                lane = self._new_lane(key, job.ticket.decode_id)
+            if lane is not None:
                 lane.jobs.put(job)
-        if broke:
-            self.refuse(job, TransferError(f"channel {key} broke earlier"))
+        if lane is None:
+            self.refuse(job, TransferError(f"channel {key} broke or was replaced earlier"))
 
-    def _new_lane(self, key: str, decode_id: str) -> Lane:  # under the lock
-        """A decode worker gives a prefill worker one live channel key at a time (a new one
-        once the old broke on either side), so lanes to it under another key are done with:
-        they close, or one whose channel broke on the decode side would idle for good."""
-        base = base_key(key)
-        for old in [x for x in self._lanes.values() if x.decode_id == decode_id]:
-            if base_key(old.key) != base:
-                self._take_out(old, Stop(f"channel {base} replaced it"))
-        return Lane(self, key, decode_id)
+    def _new_lane(self, key: str, decode_id: str) -> Lane | None:  # under the lock
+        """A decode worker's receiver gives a prefill worker one live channel key at a time (a
+        new one once the old broke on either side), so lanes to it under an older key of that
+        receiver are done with: they close, or one whose channel broke on the decode side would
+        idle for good. Tickets need not reach us in the order the keys were given, though: a
+        key older than a lane's is one the receiver gave up already, and gets no lane (None:
+        its jobs fail, and the retry is given the live key)."""
+        base, mine = base_key(key), key_generation(key)
+        others = [x for x in self._lanes.values()
+                  if x.decode_id == decode_id and base_key(x.key) != base]  # fmt: skip
+        older = []
+        for other in others:
+            theirs = key_generation(other.key)
+            if mine is None or theirs is None:
+                older.append(other)  # no order to go by: the newest to come is taken as live
+            elif theirs[0] == mine[0]:
+                if theirs[1] > mine[1]:
+                    self._remember_broken(key)
+                    return None
+                older.append(other)
+        for old in older:
+            self._take_out(old, Stop(f"channel {base} replaced it"))
+        lane = self._lanes[key] = Lane(self, key, decode_id)
+        return lane
 
     def retire(self, lane: Lane) -> bool:
         """Takes a broken lane out of service if nothing is queued on it (True: it may exit);
@@ -151,7 +165,10 @@ class KVSender:
         del self._lanes[lane.key]
         if stop is not None:
             lane.jobs.put(stop)
-        self._broken[lane.key] = None
+        self._remember_broken(lane.key)
+
+    def _remember_broken(self, key: str) -> None:  # under the lock
+        self._broken[key] = None
         if len(self._broken) > REMEMBERED:
             self._broken.popitem(last=False)
 

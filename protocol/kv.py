@@ -102,6 +102,14 @@ def base_key(key: str) -> str:
     return key.split("|", 1)[0]
 
 
+def key_generation(key: str) -> tuple[str, int] | None:
+    """(the receiver that made the key, its number there), None for a key without one. One
+    receiver hands out its keys in number order, a new one each time the last broke; keys of
+    two receivers (a decode worker that left and came back) have no order."""
+    receiver, sep, number = base_key(key).rpartition("#")
+    return (receiver, int(number)) if sep and number.isdigit() else None
+
+
 class Ticket(NamedTuple):
     request_id: str
     decode_id: str

@@ -454,6 +454,49 @@ def test_a_new_channel_key_to_a_decode_worker_closes_its_old_lane() -> None:
     assert [(f.request_id, f.error) for f in finished] == [("A", None), ("B", None)]
 
 
+def test_an_older_key_that_arrives_after_the_live_one_fails_alone() -> None:
+    """D0 gave up key #0 and gave B the new #1 while A's prefill, reserved under #0, was on its
+    way: B's ticket came first. A's old key gets no lane, and the live lane stays open for the
+    requests after it."""
+    old, new, later = (
+        ticket("A", 2, "p0->d0#0"),
+        ticket("B", 2, "p0->d0#1"),
+        ticket("C", 2, "p0->d0#1"),
+    )
+    transport = FakeTransport()
+    sender, finished = start_sender(transport)
+    for t in (new, old, later):
+        send_step(sender, [t])
+        sender.send_done(t, 11, None)
+    deadline = time.monotonic() + 5
+    while len(finished) < 3 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    sender.close()
+    errors = {f.request_id: f.error and str(f.error) for f in finished}
+    assert errors == {"A": "channel p0->d0#0 broke or was replaced earlier", "B": None, "C": None}
+    assert transport.connects == ["p0->d0#1"]  # no channel was opened for the old key
+
+
+def test_keys_of_two_receivers_leave_each_others_lanes_open() -> None:
+    """A decode worker that left and came back has a new receiver (its rendezvous port names
+    it): keys of the two have no order, so a late ticket of the old one closes nothing."""
+    back, gone = (
+        ticket(r, 2, key)._replace(decode_id="d0")
+        for r, key in (("B", "p0->d0:2#0"), ("A", "p0->d0:1#3"))
+    )
+    transport = FakeTransport(refuse=frozenset({"p0->d0:1#3"}))
+    sender, finished = start_sender(transport)
+    for t in (back, gone, back._replace(request_id="C")):
+        send_step(sender, [t])
+        sender.send_done(t, 11, None)
+    deadline = time.monotonic() + 5
+    while len(finished) < 3 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    sender.close()
+    errors = {f.request_id: f.error is not None for f in finished}
+    assert errors == {"A": True, "B": False, "C": False}
+
+
 @pytest.mark.parametrize("where", ["post", "wait"])
 def test_an_unexpected_error_breaks_the_channel_and_the_lane_serves_on(
     where: str, monkeypatch
