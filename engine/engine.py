@@ -26,7 +26,7 @@ from engine.sampler import SampleRow, prompt_logprobs, sample, uniform
 from engine.scheduler import Scheduler, SchedulerConfig, StepPlan, fits_with_headroom
 from engine.sequence import Sequence
 from engine.stop import blocked_tokens, check_stop
-from engine.structured import Structures
+from engine.structured import Structures, left_blocked
 from engine.tensor_parallel import Launcher
 from protocol.errors import RequestError
 from protocol.kv import KVLayout
@@ -375,15 +375,17 @@ class LLMEngine:
         # Only penalties read the token lists: copying a long prompt for every row of every
         # step was most of a large batch's host time between GPU steps.
         penalized = params.adjusts_logits
+        blocked, allowed = blocked_tokens(seq, self.eos_ids), None
+        if structure is not None:
+            allowed = self.structures.allowed(seq.request_id, structure, seq.output_token_ids)
+            blocked = left_blocked(allowed, blocked)
         return SampleRow(
             params=params,
             prompt_ids=seq.token_ids[: seq.num_prompt_tokens] if penalized else (),
             output_ids=seq.output_token_ids if penalized else (),
-            blocked_ids=blocked_tokens(seq, self.eos_ids),
+            blocked_ids=blocked,
             generator=self.generators.get(seq.request_id, self.default_generator),
-            allowed=None
-            if structure is None
-            else self.structures.allowed(seq.request_id, structure, seq.output_token_ids),
+            allowed=allowed,
         )
 
     def _update(

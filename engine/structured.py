@@ -114,6 +114,27 @@ class Structures:
         return self._compiler
 
 
+def left_blocked(allowed: torch.Tensor, blocked: tuple[int, ...]) -> tuple[int, ...]:
+    """The tokens still to block beside a response format's bitmask. The format wins over
+    min_tokens: where it allows only tokens min_tokens blocks (its end), they are blocked no
+    more. Where it allows no token at all (a pattern nothing matches), RequestError: sampling
+    from nothing would pick any token, outside the format."""
+    if not bool(allowed.any()):
+        raise RequestError("the response format allows no output here: nothing can match it")
+    if not blocked:
+        return blocked
+    # The words holding a blocked token's bit, those bits cleared (as unsigned 32-bit ints).
+    words = {t // 32: int(allowed[t // 32]) & 0xFFFFFFFF for t in blocked if t // 32 < len(allowed)}
+    for token in blocked:
+        if token // 32 in words:
+            words[token // 32] &= ~(1 << (token % 32))
+    if any(words.values()):
+        return blocked
+    rest = allowed.clone()
+    rest[list(words)] = 0
+    return blocked if bool(rest.any()) else ()
+
+
 def _reason(err: RuntimeError) -> str:
     """xgrammar's message without its C++ prefix ("[18:59:19] /project/cpp/x.cc:83: ")."""
     return re.sub(r"^\[[\d:]+\] \S+:\d+: ", "", str(err).strip())

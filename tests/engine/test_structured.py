@@ -101,6 +101,30 @@ def test_a_schema_the_grammar_compiler_refuses_fails_its_request_alone(tiny_llam
     assert not engine.structures.matchers and not engine.has_unfinished
 
 
+def test_a_format_nothing_can_match_fails_its_request_alone(tiny_llama) -> None:
+    # Every token masked: sampling from nothing picked the vocabulary's last token, outside
+    # the format, and the request "stopped" with it.
+    engine = LLMEngine(EngineConfig(tiny_llama, dtype="float32", block_size=4, num_kv_blocks=256))
+    engine.add_request("bad", PROMPT, SamplingParams(max_tokens=5, structure=("regex", r"[^\s\S]")))
+    engine.add_request("good", PROMPT, SamplingParams(max_tokens=3, temperature=0))
+    updates = []
+    for _ in range(10):
+        updates += engine.step()
+    failed = [u for u in updates if isinstance(u, RequestFailed)]
+    assert [u.request_id for u in failed] == ["bad"] and "nothing can match" in failed[0].reason
+    assert failed[0].invalid and [u for u in updates if u.request_id == "bad"] == failed
+    assert sum(len(u.token_ids) for u in updates if u.request_id == "good") == 3
+
+
+def test_a_complete_format_ends_the_output_before_min_tokens(llm) -> None:
+    # min_tokens blocks EOS where the format allows nothing but its end: the format wins, and
+    # the output ends with EOS (every token masked, the sampler had picked token 0).
+    for structure in (("regex", "(ab|cd)"), ("json_object", "")):
+        params = SamplingParams(max_tokens=40, temperature=0, structure=structure, min_tokens=30)
+        out = llm.generate_ids([PROMPT], params)[0]
+        assert out.finish_reason == "stop" and out.token_ids[-1] in llm.engine.eos_ids, out
+
+
 def test_without_xgrammar_a_structured_request_says_how_to_get_it(tiny_llama, monkeypatch):
     import sys
 
