@@ -11,6 +11,7 @@ JSON object with a name stays text: nothing the model wrote is dropped.
 from __future__ import annotations
 
 import json
+import math
 import uuid
 from dataclasses import dataclass, field
 
@@ -85,16 +86,35 @@ def split_reply(text: str) -> tuple[str, list[ParsedCall]]:
 
 
 def _parse(body: str) -> ParsedCall | None:
+    """The call the model wrote, or None for text that is not one: not JSON (nested past the
+    parser's depth, NaN or an infinite number included: their JSON back would not be JSON), not
+    a named call, or holding a lone surrogate (a `\\ud800` escape), which no response can
+    carry."""
     try:
-        call = json.loads(body)
-    except ValueError:
+        call = json.loads(body, parse_constant=_not_json, parse_float=_finite)
+    except (ValueError, RecursionError):
         return None
     if not isinstance(call, dict) or not isinstance(call.get("name"), str):
         return None
     arguments = call.get("arguments", call.get("parameters", {}))
-    if not isinstance(arguments, str):
-        arguments = json.dumps(arguments, ensure_ascii=False)
+    try:
+        if not isinstance(arguments, str):
+            arguments = json.dumps(arguments, ensure_ascii=False)
+        (call["name"] + arguments).encode("utf-8")
+    except (RecursionError, UnicodeEncodeError):
+        return None
     return ParsedCall(new_call_id(), call["name"], arguments)
+
+
+def _not_json(constant: str) -> float:
+    raise ValueError(f"{constant} is not JSON")
+
+
+def _finite(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(f"{text} is out of a float's range")
+    return value
 
 
 def new_call_id() -> str:

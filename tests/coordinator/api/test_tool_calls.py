@@ -53,6 +53,21 @@ def test_what_is_not_a_call_stays_text() -> None:
         assert (text, calls) == (reply, [])
 
 
+def test_calls_no_response_could_carry_stay_text() -> None:
+    # Nested past the JSON parser's depth (was a RecursionError: a 500, or an error mid-stream),
+    # a lone surrogate in the name or arguments (the response could not be encoded), NaN and
+    # an infinite number (their arguments would not be JSON).
+    deep = '{"name": "f", "arguments": ' + "[" * 1100 + "]" * 1100 + "}"
+    surrogates = [
+        '{"name": "\\ud800", "arguments": {}}',
+        '{"name": "f", "arguments": {"x": "\\udfff"}}',
+    ]
+    numbers = ['{"name": "f", "arguments": {"x": NaN}}', '{"name": "f", "arguments": {"x": 1e999}}']
+    for body in [deep, *surrogates, *numbers]:
+        reply = f"<tool_call>{body}</tool_call>"
+        assert split_reply(reply) == (reply, [])
+
+
 def test_an_unclosed_call_at_the_end_still_counts() -> None:
     text, calls = split_reply('Sure. <tool_call>{"name": "f", "arguments": {}}')
     assert text == "Sure. " and [(c.name, c.arguments) for c in calls] == [("f", "{}")]
