@@ -57,6 +57,12 @@ class LocalEngineClient:
         snapshot = self.engine.snapshot()
         return [WorkerStats.of(WORKER_NAME, "colocated", snapshot, **self._async.step_fields())]
 
+    def recent_steps(self, worker_id: str | None, limit: int | None) -> dict:
+        """The engine's latest step records, under its worker name."""
+        if worker_id not in (None, WORKER_NAME):
+            return {}
+        return {WORKER_NAME: self._async.recent_steps(None, limit)["engine"]}
+
     def pools(self) -> list[PoolWorker]:
         if not self._started:
             state = "starting"

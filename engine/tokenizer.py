@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -13,11 +14,13 @@ if TYPE_CHECKING:  # transformers loads torch: only a Tokenizer's construction p
 # Tokens of the prompt decoded along with the first output tokens, so that tokenizers which
 # drop a word's leading space at the start of a decode still produce it.
 PROMPT_CONTEXT_TOKENS = 5
-# apply_chat_template's own arguments: a request's template options may not set them.
+# apply_chat_template's own arguments: a request's template options may not set them ("self"
+# included: a keyword of that name reaches the bound method twice). `render_chat` also refuses
+# any other named argument the installed transformers' apply_chat_template has.
 RESERVED_TEMPLATE_KWARGS = frozenset(
-    {"conversation", "chat_template", "tokenize", "padding", "truncation", "max_length",
+    {"self", "conversation", "chat_template", "tokenize", "padding", "truncation", "max_length",
      "return_tensors", "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs",
-     "continue_final_message", "documents"}
+     "continue_final_message", "documents", "sanitize_control_tokens"}
 )  # fmt: skip
 
 
@@ -45,6 +48,7 @@ class Tokenizer:
         self.backend: RustTokenizer | None = getattr(self.hf, "_tokenizer", None)
         # Whether the Rust incremental decoder gives `decode`'s text (see decode_stream).
         self._streams = self.backend is not None and not self._cleans_up_spaces()
+        self._template_names: frozenset[str] | None = None  # (_template_arguments)
 
     @property
     def has_chat_template(self) -> bool:
@@ -70,7 +74,9 @@ class Tokenizer:
             for part in content if isinstance(content, list) else [content]:
                 if isinstance(part, str):
                     check_unicode(part)
-        reserved = RESERVED_TEMPLATE_KWARGS.intersection(template_kwargs)
+        reserved = (RESERVED_TEMPLATE_KWARGS | self._template_arguments()).intersection(
+            template_kwargs
+        )
         if reserved:
             raise TokenizerError(f"chat template options may not set {', '.join(sorted(reserved))}")
         try:
@@ -83,6 +89,16 @@ class Tokenizer:
             )
         except Exception as err:  # the template itself raises on messages it rejects
             raise TokenizerError(f"chat template rejected the messages: {err}") from err
+
+    def _template_arguments(self) -> frozenset[str]:
+        """The named arguments of apply_chat_template besides the messages, tools and the
+        generation prompt, which the template's variables must not shadow."""
+        if self._template_names is None:
+            signature = inspect.signature(self.hf.apply_chat_template)
+            named = {name for name, p in signature.parameters.items()
+                     if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)}  # fmt: skip
+            self._template_names = frozenset(named - {"tools", "add_generation_prompt"})
+        return self._template_names
 
     def encode_chat(self, messages: list[dict[str, Any]], **options: Any) -> list[int]:
         """`options`: `render_chat`'s."""

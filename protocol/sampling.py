@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import json
 import math
 from collections.abc import Collection
 from dataclasses import dataclass
@@ -40,6 +41,12 @@ class PromptLogprob(NamedTuple):
 GREEDY_TEMPERATURE = 1e-5
 MAX_STOP_STRINGS = 256
 STRUCTURE_KINDS = ("json_object", "json_schema", "regex")  # engine/structured.py
+# A response format is compiled on the engine's thread, in a time that grows with its size and
+# faster with its nesting (on this project's 2-core VM: 100 KB of schema ~1 s, 64 nested
+# objects 0.1 s, 128 of them 0.75 s): past these a request is refused rather than stall every
+# sequence of its worker.
+MAX_STRUCTURE_CHARS = 64 * 1024
+MAX_SCHEMA_DEPTH = 64  # nested JSON objects and arrays in a schema
 MAX_LOGIT_BIAS = 1024  # tokens one request may bias (each is a write into its logits per step)
 
 
@@ -118,6 +125,7 @@ class SamplingParams:
                 "response_format",
                 f"must be one of {', '.join(STRUCTURE_KINDS)}",
             )
+            _check_structure(*self.structure)
 
     @property
     def greedy(self) -> bool:
@@ -157,3 +165,44 @@ class SamplingParams:
 def _check(ok: bool, name: str, message: str) -> None:
     if not ok:
         raise SamplingError(name, message)
+
+
+def _check_structure(kind: str, text: str) -> None:
+    """A response format's text: Unicode (a lone surrogate, as JSON escapes allow, is not),
+    and small and shallow enough to compile in well under a second."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as err:
+        raise SamplingError(
+            "response_format", f"is not valid Unicode: a lone surrogate at character {err.start}"
+        ) from None
+    _check(
+        len(text) <= MAX_STRUCTURE_CHARS,
+        "response_format",
+        f"may be at most {MAX_STRUCTURE_CHARS} characters long",
+    )
+    if kind != "json_schema":
+        return
+    try:
+        schema = json.loads(text)
+    except RecursionError:
+        schema = None
+    except ValueError:
+        return  # not JSON: the compiler says so, as for any other schema it refuses
+    _check(
+        schema is not None and _depth(schema) <= MAX_SCHEMA_DEPTH,
+        "response_format",
+        f"nests its schema more than {MAX_SCHEMA_DEPTH} deep",
+    )
+
+
+def _depth(value: object) -> int:
+    """How deep JSON objects and arrays nest in `value` (a scalar: 0), without recursion."""
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        children = item.values() if isinstance(item, dict) else item
+        if isinstance(item, dict | list):
+            deepest = max(deepest, depth)
+            stack.extend((child, depth + 1) for child in children)
+    return deepest

@@ -345,7 +345,7 @@ def _arguments(arguments: str | dict[str, Any]) -> dict[str, Any] | str:
         return arguments
     try:
         parsed = json.loads(arguments)
-    except ValueError:
+    except (ValueError, RecursionError):  # (nested past the parser's depth)
         return arguments
     return parsed if isinstance(parsed, dict) else arguments
 
@@ -441,22 +441,29 @@ class ChatCompletionRequest(TemplateOptions, SamplingRequest):
 
     def _calls_schema(self) -> dict[str, Any]:
         """What "required" holds the reply to: a JSON array of calls, each
-        {"name": one of the tools, "parameters": that tool's arguments}."""
-        calls = [
-            {
+        {"name": one of the tools, "parameters": that tool's arguments}. A tool whose
+        parameters refer within themselves ("$ref": "#/$defs/...") moves under the schema's own
+        $defs, its references re-rooted there: "#" means the whole schema now."""
+        calls, defs = [], {}
+        for i, tool in enumerate(self.tools or []):
+            parameters = _parameters(tool)
+            if _has_refs(parameters):
+                defs[f"tool{i}"] = _rerooted(parameters, f"#/$defs/tool{i}")
+                parameters = {"$ref": f"#/$defs/tool{i}"}
+            calls.append({
                 "type": "object",
                 "properties": {
                     "name": {"type": "string", "enum": [tool.function.name]},
-                    "parameters": _parameters(tool),
+                    "parameters": parameters,
                 },
                 "required": ["name", "parameters"],
                 "additionalProperties": False,
-            }
-            for tool in self.tools or []
-        ]
+            })  # fmt: skip
         schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": calls}}
         if self.parallel_tool_calls is False:
             schema["maxItems"] = 1
+        if defs:
+            schema["$defs"] = defs
         return schema
 
     @property
@@ -477,6 +484,27 @@ class ChatCompletionRequest(TemplateOptions, SamplingRequest):
 
 def _parameters(tool: Tool) -> dict[str, Any]:
     return tool.function.parameters or {"type": "object"}
+
+
+def _has_refs(schema: Any) -> bool:
+    if isinstance(schema, dict):
+        ref = schema.get("$ref")
+        local = isinstance(ref, str) and ref.startswith("#")
+        return local or any(map(_has_refs, schema.values()))
+    return isinstance(schema, list) and any(map(_has_refs, schema))
+
+
+def _rerooted(schema: Any, root: str) -> Any:
+    """`schema` with its local references ("#...") pointing under `root` instead of "#"."""
+    if isinstance(schema, dict):
+        return {
+            key: root + value[1:] if key == "$ref" and isinstance(value, str)
+            and value.startswith("#") else _rerooted(value, root)
+            for key, value in schema.items()
+        }  # fmt: skip
+    if isinstance(schema, list):
+        return [_rerooted(item, root) for item in schema]
+    return schema
 
 
 class TokenizeRequest(TemplateOptions):

@@ -16,6 +16,9 @@ WEATHER = {"type": "function", "function": {
     "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}  # fmt: skip
 
 
+DEEP_SCHEMA = '{"type": "array", "items": ' * 1100 + '{"type": "integer"}' + "}" * 1100
+
+
 @pytest.fixture(scope="module")
 def server(serve, tiny_llama):
     return serve(local_client(tiny_llama))
@@ -163,6 +166,18 @@ BAD_REQUESTS = [
      "chat_template_kwargs"),
     ("/tokenize", {"messages": [{"role": "user", "content": "x"}],
                    "chat_template_kwargs": {"tokenizer": None}}, 400, "chat_template_kwargs"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
+                              "chat_template_kwargs": {"self": 1}}, 400, "chat_template_kwargs"),
+    # A response format no response could follow, or that would stall the worker compiling it
+    # (each was a 500, or an engine thread busy for minutes).
+    ("/v1/completions", b'{"prompt": "hi", "structured_outputs": {"regex": "\\ud800"}}', 400,
+     "response_format"),
+    ("/v1/completions", b'{"prompt": "hi", "structured_outputs": {"choice": ["\\udfff"]}}', 400,
+     "response_format"),
+    ("/v1/completions", {"prompt": "hi", "structured_outputs": {"json": DEEP_SCHEMA}}, 400,
+     "response_format"),
+    ("/v1/completions", {"prompt": "hi", "structured_outputs": {"regex": "a" * 70_000}}, 400,
+     "response_format"),
 ]  # fmt: skip
 
 
@@ -482,6 +497,30 @@ def test_a_schema_the_workers_cannot_compile_is_a_400_not_a_hang(http) -> None:
     assert "regex cannot be used" in refused["message"]
 
 
+def test_tool_choice_required_takes_parameters_that_refer_to_their_own_defs(http) -> None:
+    """A tool's parameters with "$ref": "#/$defs/..." (pydantic writes them so) were resolved
+    against the calls' schema around them: a 400 for a valid tool."""
+    pytest.importorskip("xgrammar")
+    city = {"type": "string", "enum": ["Paris", "Oslo"]}
+    parameters = {
+        "type": "object",
+        "properties": {"where": {"$ref": "#/$defs/City"}},
+        "required": ["where"],
+        "additionalProperties": False,
+        "$defs": {"City": city},
+    }
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": parameters}},
+             {"type": "function", "function": {"name": "noop"}}]  # fmt: skip
+    body = {"messages": [{"role": "user", "content": "weather in Paris?"}], "tools": tools,
+            "tool_choice": "required", "max_tokens": 60, "temperature": 0}  # fmt: skip
+    reply = http.post("/v1/chat/completions", json=body)
+    assert reply.status_code == 200, reply.text
+    for call in reply.json()["choices"][0]["message"]["tool_calls"]:
+        arguments = json.loads(call["function"]["arguments"])
+        if call["function"]["name"] == "get_weather":
+            assert arguments in ({"where": "Paris"}, {"where": "Oslo"})
+
+
 def test_tool_choice_required_makes_calls_to_the_tools_with_arguments_that_fit(http) -> None:
     """tool_choice "required": the reply is one call or more, each naming one of the tools
     with arguments held to its parameters (finish_reason "tool_calls"); parallel_tool_calls
@@ -554,3 +593,21 @@ def test_a_named_tool_choice_forces_one_call_with_arguments_that_fit(http) -> No
     streamed = last["delta"]["tool_calls"][0]["function"]
     assert streamed["name"] == "get_weather"
     assert streamed["arguments"] == call["function"]["arguments"]
+
+
+def test_an_assistant_turn_with_arguments_nested_past_the_parser_is_rendered_as_sent(http) -> None:
+    arguments = "[" * 1100 + "]" * 1100  # (json.loads raised RecursionError: a 500)
+    call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": arguments}}
+    messages = [{"role": "user", "content": "x"},
+                {"role": "assistant", "content": "ok", "tool_calls": [call]}]  # fmt: skip
+    assert http.post("/tokenize", json={"messages": messages}).status_code == 200
+
+
+def test_telemetry_of_the_one_local_engine(http) -> None:
+    body = {"prompt": "hi", "max_tokens": 2, "temperature": 0}
+    assert http.post("/v1/completions", json=body).status_code == 200
+    reply = http.get("/admin/telemetry", params={"worker": "colocated-0", "limit": 1})
+    assert reply.status_code == 200, reply.text
+    [(name, log)] = reply.json()["workers"].items()
+    assert name == "colocated-0" and len(log["steps"]) == 1 and log["steps_total"] >= 2
+    assert http.get("/admin/telemetry", params={"worker": "engine"}).status_code == 404
