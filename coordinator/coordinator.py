@@ -486,8 +486,10 @@ class Coordinator:
                     broken = request.broken_channel
                     key = broken[1] if broken is not None and broken[0] == route.decode_id else None
                     prefill_tp = self.ranks(route.prefill_id)  # the ticket's routes need it
+                    # D holds the seat as long as this waits for P's answer (queue included).
+                    lease_s = self.config.prefill_timeout(len(work.token_ids))
                     ticket = await self._call(
-                        decode.reserve, work, route.prefill_id, key, prefill_tp
+                        decode.reserve, work, route.prefill_id, key, prefill_tp, lease_s
                     )
             except RayActorError as err:
                 self._unplace(request, work)

@@ -83,7 +83,8 @@ class DecodeWorker:
         self._arriving: dict[str, dict[int, Arrived]] = {}  # request -> ranks' arrivals so far
         self.route_bytes: dict[str, int] = {}  # "src>dst" -> KV bytes received on that route
         self._follower_bytes = 0  # what the follower ranks received, for arrived requests
-        self._leases: dict[str, float] = {}  # reserved request -> monotonic deadline
+        # reserved request -> (monotonic deadline, the lease's seconds)
+        self._leases: dict[str, tuple[float, float]] = {}
         self._updates: list[WorkerUpdate] = []
         self._updates_ready = threading.Condition()
         self.transfers = TransferCounters(transport.name)
@@ -112,11 +113,16 @@ class DecodeWorker:
         prefill_id: str,
         broken_key: str | None = None,
         prefill_tp: int = 1,
+        lease_s: float | None = None,
     ) -> Future:
         """Future of a Ticket, or of None when the blocks do not fit now. `broken_key`: a
         channel the prefill worker found broken (a new one is opened if this side has not
-        noticed). `prefill_tp`: the prefill worker's ranks (they name the routes)."""
-        return self.thread.submit(self._reserve, request, prefill_id, broken_key, prefill_tp)
+        noticed). `prefill_tp`: the prefill worker's ranks (they name the routes). `lease_s`:
+        how long the prefill may take, its queue included (the coordinator's deadline for it):
+        the reservation is held that long, or the transfer timeout if longer."""
+        return self.thread.submit(
+            self._reserve, request, prefill_id, broken_key, prefill_tp, lease_s
+        )
 
     def add_local(self, request: WorkRequest) -> Future:
         return self.thread.submit(self._add_local, request)
@@ -162,7 +168,12 @@ class DecodeWorker:
     # -- engine thread ---------------------------------------------------------------------
 
     def _reserve(
-        self, request: WorkRequest, prefill_id: str, broken_key: str | None, prefill_tp: int
+        self,
+        request: WorkRequest,
+        prefill_id: str,
+        broken_key: str | None,
+        prefill_tp: int,
+        lease_s: float | None = None,
     ) -> Ticket | None:
         if not self.engine.has_room(len(self._leases)):
             return None  # the decode batch is full; the coordinator waits or goes elsewhere
@@ -172,7 +183,8 @@ class DecodeWorker:
         if reservation is None:
             return None
         try:
-            return self._expect(request, reservation, prefill_id, broken_key, prefill_tp)
+            lease_s = max(self.transfer_timeout, lease_s or 0.0)
+            return self._expect(request, reservation, prefill_id, broken_key, prefill_tp, lease_s)
         except Exception:  # nothing would ever free the blocks of a reservation without a lease
             self._forget(request.request_id)
             self._leases.pop(request.request_id, None)
@@ -186,6 +198,7 @@ class DecodeWorker:
         prefill_id: str,
         broken_key: str | None,
         prefill_tp: int,
+        lease_s: float,
     ) -> Ticket:
         """The ticket for a reservation made, once every rank expects its KV."""
         num_tokens = len(request.prompt_ids) + len(request.output_ids)
@@ -200,7 +213,7 @@ class DecodeWorker:
             num_cached_tokens=reservation.num_cached_tokens,
             num_tokens=num_tokens,
             layout=self.layout,
-            timeout=self.transfer_timeout,
+            timeout=lease_s,
             verify=self.verify_kv,
             prefill_tp=prefill_tp,
             decode_tp=self.num_ranks,
@@ -209,7 +222,7 @@ class DecodeWorker:
         self.receiver.expect(
             request.request_id, key, slots, reservation.num_cached_tokens, self.verify_kv, legs
         )
-        self._leases[request.request_id] = time.monotonic() + self.transfer_timeout
+        self._leases[request.request_id] = (time.monotonic() + lease_s, lease_s)
         if self.ranks is not None:  # each rank expects its heads before the ticket leaves
             self.ranks.call(["expect", ticket, slots])
         return ticket
@@ -284,9 +297,9 @@ class DecodeWorker:
 
     def _expire_leases(self) -> None:
         now = time.monotonic()
-        for request_id in [r for r, deadline in self._leases.items() if deadline < now]:
-            del self._leases[request_id]
-            self._fail(request_id, f"KV did not arrive within {self.transfer_timeout:.1f}s")
+        for request_id in [r for r, (deadline, _) in self._leases.items() if deadline < now]:
+            _, lease_s = self._leases.pop(request_id)
+            self._fail(request_id, f"KV did not arrive within {lease_s:.1f}s")
 
     def _fail(self, request_id: str, reason: str, corrupt: bool = False) -> None:
         self._forget(request_id)  # the other ranks may still be receiving

@@ -216,9 +216,10 @@ class WorkerActor:
         prefill_id: str,
         broken_key: str | None = None,
         prefill_tp: int = 1,
+        lease_s: float | None = None,
     ) -> Ticket | None:
         decode = self._as(DecodeWorker)
-        reserving = decode.reserve(request, prefill_id, broken_key, prefill_tp)
+        reserving = decode.reserve(request, prefill_id, broken_key, prefill_tp, lease_s)
         return await asyncio.wrap_future(reserving)
 
     async def add_local(self, request: WorkRequest) -> None:

@@ -657,3 +657,15 @@ def test_a_stop_string_found_in_held_tokens_as_a_request_fails_frees_its_seat() 
         assert "req-0#2" in cluster.decode["decode-0"].ids("abort")
 
     run(main())
+
+
+def test_a_reservation_asks_to_be_held_as_long_as_its_prefill_may_take() -> None:
+    async def main() -> None:
+        cluster = FakeCluster(CONFIG, num_prefill=1)
+        async with cluster.running() as coordinator:
+            _, err = await stream(coordinator, SamplingParams(max_tokens=2))
+        assert err is None
+        [(work, prefill_id, _key, _tp, lease_s)] = cluster.decode["decode-0"].calls["reserve"]
+        assert lease_s == CONFIG.prefill_timeout(len(PROMPT)) and prefill_id == "prefill-0"
+
+    run(main())

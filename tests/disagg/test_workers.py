@@ -39,6 +39,29 @@ def test_unclaimed_reservation_expires_and_frees_its_blocks(tiny_llama) -> None:
         decode.shutdown()
 
 
+def test_a_reservation_is_held_as_long_as_the_coordinator_waits_for_its_prefill(
+    tiny_llama,
+) -> None:
+    """The coordinator waits for a long prompt's prefill (its queue included) longer than the
+    transfer timeout: the lease it asks for holds the seat that long, not the timeout's."""
+    config = EngineConfig(tiny_llama, dtype="float32", block_size=4, num_kv_blocks=64)
+    transport = make_transport("gloo", torch.device("cpu"))
+    decode = DecodeWorker("d-long", LLMEngine(config), transport, transfer_timeout=0.5)
+    try:
+        request = WorkRequest("long", list(range(3, 40)), GREEDY)
+        ticket = decode.reserve(request, "p-slow", lease_s=3.0).result(60)
+        assert ticket is not None and ticket.timeout == 3.0
+        assert decode.take_updates(timeout=1.5) == []  # past the transfer timeout: still held
+        assert decode.engine.blocks.num_free_blocks == 64 - 10
+        updates = decode.take_updates(timeout=2.5) or decode.take_updates(timeout=2.0)
+        assert [(u.request_id, u.reason) for u in updates] == [
+            ("long", "KV did not arrive within 3.0s")
+        ]
+        assert decode.engine.blocks.num_free_blocks == 64
+    finally:
+        decode.shutdown()
+
+
 def test_a_paced_decode_worker_repaces_between_the_layers_of_a_step(tiny_llama) -> None:
     """Pacing (kernels/core_share.py) reaches a decode worker within a layer of a prefill worker
     starting beside it: besides once per turn, `pace(True)` runs after every layer of a step."""

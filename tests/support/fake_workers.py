@@ -163,6 +163,7 @@ class FakeDecodeActor(_FakeProcess):
         prefill_id: str,
         broken_key: str | None = None,
         prefill_tp: int = 1,
+        lease_s: float | None = None,
     ) -> Ticket | None:
         if self.frozen:
             await asyncio.Event().wait()
