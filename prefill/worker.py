@@ -37,6 +37,7 @@ from kvtransfer.lane import SendRecord
 from kvtransfer.legs import ChannelStep, StepChunk, announce, pack_layer, ready_event
 from kvtransfer.sender import KVSender
 from kvtransfer.transport import TransferError, Transport
+from protocol.errors import RequestError
 from protocol.kv import Ticket
 from protocol.messages import PrefillResult, RequestFailed, WorkRequest
 from protocol.sampling import PromptLogprob, TokenLogprobs
@@ -167,6 +168,8 @@ class PrefillWorker:
     # -- engine thread ---------------------------------------------------------------------
 
     def _add(self, request: WorkRequest, ticket: Ticket, on_result: ResultCallback) -> None:
+        if request.request_id in self._pending:  # (its step ended, its transfer has not)
+            raise RequestError(f"request id {request.request_id!r} is already in use")
         # Stop after one new token: its decode worker generates the rest.
         num_out = len(request.output_ids)
         params = dataclasses.replace(
