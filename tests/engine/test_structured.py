@@ -86,14 +86,20 @@ def test_a_matcher_made_late_reads_the_tokens_sampled_elsewhere(tiny_llama) -> N
     assert tokens == list(full.token_ids)
 
 
-def test_a_schema_the_grammar_compiler_refuses_fails_its_request_alone(tiny_llama) -> None:
+def beside_a_good_one(tiny_llama, bad: SamplingParams) -> tuple[LLMEngine, list]:
+    """Request "bad" with `bad`, "good" (3 greedy tokens) beside it: the updates of 10 steps."""
     engine = LLMEngine(EngineConfig(tiny_llama, dtype="float32", block_size=4, num_kv_blocks=256))
-    bad = SamplingParams(max_tokens=5, structure=("json_schema", '{"type": "nonsense"}'))
     engine.add_request("bad", PROMPT, bad)
     engine.add_request("good", PROMPT, SamplingParams(max_tokens=3, temperature=0))
     updates = []
     for _ in range(10):
         updates += engine.step()
+    return engine, updates
+
+
+def test_a_schema_the_grammar_compiler_refuses_fails_its_request_alone(tiny_llama) -> None:
+    bad = SamplingParams(max_tokens=5, structure=("json_schema", '{"type": "nonsense"}'))
+    engine, updates = beside_a_good_one(tiny_llama, bad)
     failed = [u for u in updates if isinstance(u, RequestFailed)]
     assert [u.request_id for u in failed] == ["bad"] and "cannot be used" in failed[0].reason
     assert failed[0].invalid and not failed[0].retry  # the client's error: a 400, no retry
@@ -102,14 +108,10 @@ def test_a_schema_the_grammar_compiler_refuses_fails_its_request_alone(tiny_llam
 
 
 def test_a_format_nothing_can_match_fails_its_request_alone(tiny_llama) -> None:
-    # Every token masked: sampling from nothing picked the vocabulary's last token, outside
-    # the format, and the request "stopped" with it.
-    engine = LLMEngine(EngineConfig(tiny_llama, dtype="float32", block_size=4, num_kv_blocks=256))
-    engine.add_request("bad", PROMPT, SamplingParams(max_tokens=5, structure=("regex", r"[^\s\S]")))
-    engine.add_request("good", PROMPT, SamplingParams(max_tokens=3, temperature=0))
-    updates = []
-    for _ in range(10):
-        updates += engine.step()
+    # Every token masked: sampling from all -inf picked a token outside the format, and the
+    # request "stopped" with it.
+    bad = SamplingParams(max_tokens=5, structure=("regex", r"[^\s\S]"))
+    _, updates = beside_a_good_one(tiny_llama, bad)
     failed = [u for u in updates if isinstance(u, RequestFailed)]
     assert [u.request_id for u in failed] == ["bad"] and "nothing can match" in failed[0].reason
     assert failed[0].invalid and [u for u in updates if u.request_id == "bad"] == failed

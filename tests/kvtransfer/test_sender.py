@@ -454,6 +454,20 @@ def test_a_new_channel_key_to_a_decode_worker_closes_its_old_lane() -> None:
     assert [(f.request_id, f.error) for f in finished] == [("A", None), ("B", None)]
 
 
+def send_each(transport: FakeTransport, tickets: list[Ticket]) -> list[Finished]:
+    """Each ticket's whole prompt in a step of its own, in this order, then its done frame;
+    what every request reported, once all have."""
+    sender, finished = start_sender(transport)
+    for t in tickets:
+        send_step(sender, [t])
+        sender.send_done(t, 11, None)
+    deadline = time.monotonic() + 5
+    while len(finished) < len(tickets) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    sender.close()
+    return finished
+
+
 def test_an_older_key_that_arrives_after_the_live_one_fails_alone() -> None:
     """D0 gave up key #0 and gave B the new #1 while A's prefill, reserved under #0, was on its
     way: B's ticket came first. A's old key gets no lane, and the live lane stays open for the
@@ -464,14 +478,7 @@ def test_an_older_key_that_arrives_after_the_live_one_fails_alone() -> None:
         ticket("C", 2, "p0->d0#1"),
     )
     transport = FakeTransport()
-    sender, finished = start_sender(transport)
-    for t in (new, old, later):
-        send_step(sender, [t])
-        sender.send_done(t, 11, None)
-    deadline = time.monotonic() + 5
-    while len(finished) < 3 and time.monotonic() < deadline:
-        time.sleep(0.01)
-    sender.close()
+    finished = send_each(transport, [new, old, later])
     errors = {f.request_id: f.error and str(f.error) for f in finished}
     assert errors == {"A": "channel p0->d0#0 broke or was replaced earlier", "B": None, "C": None}
     assert transport.connects == ["p0->d0#1"]  # no channel was opened for the old key
@@ -485,14 +492,7 @@ def test_keys_of_two_receivers_leave_each_others_lanes_open() -> None:
         for r, key in (("B", "p0->d0:2#0"), ("A", "p0->d0:1#3"))
     )
     transport = FakeTransport(refuse=frozenset({"p0->d0:1#3"}))
-    sender, finished = start_sender(transport)
-    for t in (back, gone, back._replace(request_id="C")):
-        send_step(sender, [t])
-        sender.send_done(t, 11, None)
-    deadline = time.monotonic() + 5
-    while len(finished) < 3 and time.monotonic() < deadline:
-        time.sleep(0.01)
-    sender.close()
+    finished = send_each(transport, [back, gone, back._replace(request_id="C")])
     errors = {f.request_id: f.error is not None for f in finished}
     assert errors == {"A": True, "B": False, "C": False}
 
