@@ -34,6 +34,7 @@ import itertools
 import logging
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -53,6 +54,7 @@ log = logging.getLogger(__name__)
 # deadline: dialling may be slow (a store that answers late), and a channel given up fails every
 # request on it. Requests waiting on it still expire on their leases.
 ACCEPT_WAIT_S = 60.0
+REMEMBERED_RETIRED = 10_000  # pair keys given up, the most recent
 
 
 class Arrived(NamedTuple):
@@ -163,6 +165,10 @@ class KVReceiver:
         self._expected: dict[str, _Expected] = {}
         self._keys: dict[str, str] = {}  # prefill worker id -> its live channel key
         self._serving: set[str] = set()  # channel keys with a receiver thread
+        # Pair keys given up, the most recent: a reservation made under one just before it was
+        # (channel_key and expect are two calls) fails at once rather than start a receiver
+        # that would wait out its accept for a peer that never dials it.
+        self._retired: OrderedDict[str, None] = OrderedDict()
         self._generation = itertools.count()
         self.bytes_received = 0
         self.stale_frames = 0  # payloads and frames of attempts no longer expected, dropped
@@ -225,9 +231,13 @@ class KVReceiver:
         )
         with self._lock:
             self._release_finished()
-            self._expected[request_id] = expected
-            starting = [leg for leg in legs if leg.key not in self._serving]
+            retired = key in self._retired
+            if not retired:
+                self._expected[request_id] = expected
+            starting = [] if retired else [leg for leg in legs if leg.key not in self._serving]
             self._serving.update(leg.key for leg in starting)
+        if retired:
+            self.on_event(TransferFailed(request_id, f"KV channel {key} was given up"))
         for leg in starting:
             threading.Thread(
                 target=self._serve, args=(leg,), name=f"kv-recv-{leg.key}", daemon=True
@@ -246,6 +256,7 @@ class KVReceiver:
         """Gives up the pair's channel key `base`: its requests fail, and the prefill peer
         gets a new key at its next reservation."""
         with self._lock:
+            self._remember_retired(base)
             for prefill_id in [p for p, key in self._keys.items() if key == base]:
                 del self._keys[prefill_id]
             failed = [r for r, e in self._expected.items() if e.base == base]
@@ -253,6 +264,11 @@ class KVReceiver:
                 del self._expected[request_id]
         for request_id in failed:
             self.on_event(TransferFailed(request_id, reason))
+
+    def _remember_retired(self, base: str) -> None:  # under the lock
+        self._retired[base] = None
+        if len(self._retired) > REMEMBERED_RETIRED:
+            self._retired.popitem(last=False)
 
     def _serve(self, leg: Leg) -> None:
         key = leg.key
@@ -284,8 +300,9 @@ class KVReceiver:
         self._keep_posted([posted])
         if channel is not None:
             channel.close()
-        with self._lock:
+        with self._lock:  # (both at once: an expect between them would start a receiver anew)
             self._serving.discard(key)
+            self._remember_retired(base_key(key))
         self.retire(base_key(key), why)
         if self.on_broken is not None:
             self.on_broken(base_key(key))

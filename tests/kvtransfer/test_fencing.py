@@ -304,3 +304,24 @@ def test_receives_posted_on_a_broken_channel_are_let_go_once_cancelled(name: str
             channel.close()
         for transport in transports:
             close_transport(transport)
+
+
+def test_a_reservation_under_a_key_just_given_up_fails_at_once() -> None:
+    """The decode worker takes a channel key, then expects a request under it; the channel may
+    break in between. The request fails there and then: no receiver starts on the dead key to
+    wait out its accept for a prefill worker that will never dial it."""
+    transport = transport_named("gloo")
+    shape = (4, 4, LAYOUT.kv_heads, LAYOUT.head_dim)
+    caches = [(torch.zeros(shape), torch.zeros(shape)) for _ in range(LAYOUT.num_layers)]
+    events = Events()
+    receiver = KVReceiver(transport, Rendezvous("127.0.0.1"), caches, "d0", events.add, TIMEOUT)
+    try:
+        key = receiver.channel_key("p0")
+        receiver.retire(key, "its channel broke")
+        receiver.expect("r#1", key, SLOTS, 0)
+        failed = events.wait_for("r#1")
+        assert isinstance(failed, TransferFailed) and "given up" in failed.reason
+        assert receiver.open_channels == 0
+        assert receiver.channel_key("p0") != key  # the next reservation gets a new one
+    finally:
+        close_transport(transport)
