@@ -34,7 +34,6 @@ import itertools
 import logging
 import threading
 import time
-from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -44,6 +43,7 @@ import torch
 from kernels import ops
 from kernels.threads import use_threads
 from kvtransfer.integrity import DIGEST_START, fold, part_sums
+from kvtransfer.recent import RecentKeys
 from kvtransfer.streams import settle, use_own_stream
 from kvtransfer.transport import Channel, Pending, Rendezvous, TransferError, Transport
 from kvtransfer.wire import AbortFrame, CloseFrame, DoneFrame, PostedFrame, StepFrame
@@ -54,7 +54,6 @@ log = logging.getLogger(__name__)
 # deadline: dialling may be slow (a store that answers late), and a channel given up fails every
 # request on it. Requests waiting on it still expire on their leases.
 ACCEPT_WAIT_S = 60.0
-REMEMBERED_RETIRED = 10_000  # pair keys given up, the most recent
 
 
 class Arrived(NamedTuple):
@@ -168,7 +167,7 @@ class KVReceiver:
         # Pair keys given up, the most recent: a reservation made under one just before it was
         # (channel_key and expect are two calls) fails at once rather than start a receiver
         # that would wait out its accept for a peer that never dials it.
-        self._retired: OrderedDict[str, None] = OrderedDict()
+        self._retired = RecentKeys()
         self._generation = itertools.count()
         self.bytes_received = 0
         self.stale_frames = 0  # payloads and frames of attempts no longer expected, dropped
@@ -256,7 +255,7 @@ class KVReceiver:
         """Gives up the pair's channel key `base`: its requests fail, and the prefill peer
         gets a new key at its next reservation."""
         with self._lock:
-            self._remember_retired(base)
+            self._retired.add(base)
             for prefill_id in [p for p, key in self._keys.items() if key == base]:
                 del self._keys[prefill_id]
             failed = [r for r, e in self._expected.items() if e.base == base]
@@ -264,11 +263,6 @@ class KVReceiver:
                 del self._expected[request_id]
         for request_id in failed:
             self.on_event(TransferFailed(request_id, reason))
-
-    def _remember_retired(self, base: str) -> None:  # under the lock
-        self._retired[base] = None
-        if len(self._retired) > REMEMBERED_RETIRED:
-            self._retired.popitem(last=False)
 
     def _serve(self, leg: Leg) -> None:
         key = leg.key
@@ -302,7 +296,7 @@ class KVReceiver:
             channel.close()
         with self._lock:  # (both at once: an expect between them would start a receiver anew)
             self._serving.discard(key)
-            self._remember_retired(base_key(key))
+            self._retired.add(base_key(key))
         self.retire(base_key(key), why)
         if self.on_broken is not None:
             self.on_broken(base_key(key))

@@ -22,18 +22,15 @@ from __future__ import annotations
 
 import threading
 import time
-from collections import OrderedDict
 from collections.abc import Callable
 
 import torch
 
 from kvtransfer.lane import Job, Lane, OpenChannel, SendFrame, SendLayer, SendRecord, Stop
+from kvtransfer.recent import RecentKeys
 from kvtransfer.transport import TransferError, Transport
 from kvtransfer.wire import AbortFrame, DoneFrame, StepFrame
 from protocol.kv import Ticket, base_key, key_generation
-
-REMEMBERED = 10_000  # failed requests and broken channel keys, the most recent
-
 
 SendCallback = Callable[[str, SendRecord, TransferError | None], None]
 
@@ -50,9 +47,9 @@ class KVSender:
         self._lock = threading.Lock()  # the lanes, the records and the failures
         self._lanes: dict[str, Lane] = {}  # channel key -> its lane
         self._closed = False
-        self._broken: OrderedDict[str, None] = OrderedDict()  # keys whose lane has exited
+        self._broken = RecentKeys()  # keys whose lane has exited
         self._records: dict[tuple[str, str], SendRecord] = {}  # (request id, channel key)
-        self._failed: OrderedDict[str, None] = OrderedDict()  # recent failures, bounded
+        self._failed = RecentKeys()  # requests that failed
 
     def open(self, ticket: Ticket) -> None:
         """Starts opening the ticket's channel now, so the first layer does not wait for it."""
@@ -143,7 +140,7 @@ class KVSender:
                 older.append(other)  # no order to go by: the newest to come is taken as live
             elif theirs[0] == mine[0]:
                 if theirs[1] > mine[1]:
-                    self._remember_broken(key)
+                    self._broken.add(key)
                     return None
                 older.append(other)
         for old in older:
@@ -165,12 +162,7 @@ class KVSender:
         del self._lanes[lane.key]
         if stop is not None:
             lane.jobs.put(stop)
-        self._remember_broken(lane.key)
-
-    def _remember_broken(self, key: str) -> None:  # under the lock
-        self._broken[key] = None
-        if len(self._broken) > REMEMBERED:
-            self._broken.popitem(last=False)
+        self._broken.add(lane.key)
 
     def refuse(self, job: Job, err: TransferError) -> None:
         """A job on a broken channel: its requests fail, unless they failed already. A step
@@ -213,9 +205,7 @@ class KVSender:
             record = SendRecord()
             for leg in legs:
                 record = self._records.pop(leg)
-            self._failed[request_id] = None
-            if len(self._failed) > REMEMBERED:
-                self._failed.popitem(last=False)
+            self._failed.add(request_id)
         self.on_finished(request_id, record, err)
 
 
