@@ -123,16 +123,9 @@ def left_blocked(allowed: torch.Tensor, blocked: tuple[int, ...]) -> tuple[int, 
         raise RequestError("the response format allows no output here: nothing can match it")
     if not blocked:
         return blocked
-    # The words holding a blocked token's bit, those bits cleared (as unsigned 32-bit ints).
-    words = {t // 32: int(allowed[t // 32]) & 0xFFFFFFFF for t in blocked if t // 32 < len(allowed)}
-    for token in blocked:
-        if token // 32 in words:
-            words[token // 32] &= ~(1 << (token % 32))
-    if any(words.values()):
-        return blocked
-    rest = allowed.clone()
-    rest[list(words)] = 0
-    return blocked if bool(rest.any()) else ()
+    tokens = _unpacked(allowed)
+    tokens[[t for t in blocked if t < len(tokens)]] = False
+    return blocked if bool(tokens.any()) else ()
 
 
 def _reason(err: RuntimeError) -> str:
@@ -143,7 +136,11 @@ def _reason(err: RuntimeError) -> str:
 def apply_allowed(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
     """In place on one row [vocab]: tokens whose bit is clear in `bitmask` (int32 words,
     token i at bit i % 32 of word i // 32) get -inf."""
-    shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)
-    bits = (bitmask.to(logits.device).unsqueeze(1) >> shifts) & 1  # [words, 32]
-    allowed = bits.flatten()[: logits.shape[0]].bool()
+    allowed = _unpacked(bitmask.to(logits.device))[: logits.shape[0]]
     logits.masked_fill_(~allowed, float("-inf"))
+
+
+def _unpacked(bitmask: torch.Tensor) -> torch.Tensor:
+    """A bitmask of int32 words as one bool per token (token i at bit i % 32 of word i // 32)."""
+    shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)
+    return ((bitmask.unsqueeze(1) >> shifts) & 1).flatten().bool()

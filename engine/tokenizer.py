@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import inspect
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -48,7 +49,6 @@ class Tokenizer:
         self.backend: RustTokenizer | None = getattr(self.hf, "_tokenizer", None)
         # Whether the Rust incremental decoder gives `decode`'s text (see decode_stream).
         self._streams = self.backend is not None and not self._cleans_up_spaces()
-        self._template_names: frozenset[str] | None = None  # (_template_arguments)
 
     @property
     def has_chat_template(self) -> bool:
@@ -74,7 +74,7 @@ class Tokenizer:
             for part in content if isinstance(content, list) else [content]:
                 if isinstance(part, str):
                     check_unicode(part)
-        reserved = (RESERVED_TEMPLATE_KWARGS | self._template_arguments()).intersection(
+        reserved = (RESERVED_TEMPLATE_KWARGS | self._template_arguments).intersection(
             template_kwargs
         )
         if reserved:
@@ -90,15 +90,13 @@ class Tokenizer:
         except Exception as err:  # the template itself raises on messages it rejects
             raise TokenizerError(f"chat template rejected the messages: {err}") from err
 
+    @functools.cached_property
     def _template_arguments(self) -> frozenset[str]:
         """The named arguments of apply_chat_template besides the messages, tools and the
         generation prompt, which the template's variables must not shadow."""
-        if self._template_names is None:
-            signature = inspect.signature(self.hf.apply_chat_template)
-            named = {name for name, p in signature.parameters.items()
-                     if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)}  # fmt: skip
-            self._template_names = frozenset(named - {"tools", "add_generation_prompt"})
-        return self._template_names
+        parameters = inspect.signature(self.hf.apply_chat_template).parameters.values()
+        named = {p.name for p in parameters if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)}
+        return frozenset(named - {"tools", "add_generation_prompt"})
 
     def encode_chat(self, messages: list[dict[str, Any]], **options: Any) -> list[int]:
         """`options`: `render_chat`'s."""

@@ -201,8 +201,9 @@ def _depth(value: object) -> int:
     deepest, stack = 0, [(value, 1)]
     while stack:
         item, depth = stack.pop()
-        children = item.values() if isinstance(item, dict) else item
-        if isinstance(item, dict | list):
+        if isinstance(item, dict):
+            item = list(item.values())
+        if isinstance(item, list):
             deepest = max(deepest, depth)
-            stack.extend((child, depth + 1) for child in children)
+            stack.extend((child, depth + 1) for child in item)
     return deepest

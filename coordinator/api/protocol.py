@@ -447,8 +447,9 @@ class ChatCompletionRequest(TemplateOptions, SamplingRequest):
         calls, defs = [], {}
         for i, tool in enumerate(self.tools or []):
             parameters = _parameters(tool)
-            if _has_refs(parameters):
-                defs[f"tool{i}"] = _rerooted(parameters, f"#/$defs/tool{i}")
+            rerooted = _rerooted(parameters, f"#/$defs/tool{i}")
+            if rerooted != parameters:  # it has local references
+                defs[f"tool{i}"] = rerooted
                 parameters = {"$ref": f"#/$defs/tool{i}"}
             calls.append({
                 "type": "object",
@@ -484,14 +485,6 @@ class ChatCompletionRequest(TemplateOptions, SamplingRequest):
 
 def _parameters(tool: Tool) -> dict[str, Any]:
     return tool.function.parameters or {"type": "object"}
-
-
-def _has_refs(schema: Any) -> bool:
-    if isinstance(schema, dict):
-        ref = schema.get("$ref")
-        local = isinstance(ref, str) and ref.startswith("#")
-        return local or any(map(_has_refs, schema.values()))
-    return isinstance(schema, list) and any(map(_has_refs, schema))
 
 
 def _rerooted(schema: Any, root: str) -> Any:
