@@ -31,8 +31,12 @@ CANCEL_AFTER_DRAIN_S = 1.0
 END_STREAMS_S = 1.0
 
 
-class StartupInterrupted(Exception):
-    """SIGINT or SIGTERM came before the server took its first request: nothing to drain."""
+class StartupInterrupted(BaseException):
+    """SIGINT or SIGTERM came before the server took its first request: nothing to drain.
+
+    A BaseException, as KeyboardInterrupt is: the signal lands in whatever code is running,
+    and libraries on the start path (inspect.getfullargspec under Ray's actor creation) turn
+    any Exception into their own error."""
 
 
 def interrupt(sig: int, frame: FrameType | None) -> None:

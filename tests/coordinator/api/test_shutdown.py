@@ -11,7 +11,12 @@ import httpx
 import pytest
 
 from coordinator.api.app import create_app
-from coordinator.api.server import CANCEL_AFTER_DRAIN_S, DrainingServer
+from coordinator.api.server import (
+    CANCEL_AFTER_DRAIN_S,
+    DrainingServer,
+    StartupInterrupted,
+    interrupt,
+)
 from tests.support.servers import ServerThread, local_client, wait_until
 from tests.support.wrapped_clients import FailingClient, GatedClient, SlowClient
 
@@ -121,3 +126,21 @@ def test_a_started_server_freezes_its_startup_objects(tiny_llama) -> None:
     finally:
         server.server.handle_exit(signal.SIGTERM, None)
         server.thread.join(timeout=10)
+
+
+def test_a_signal_while_starting_is_not_swallowed_by_a_library() -> None:
+    """Ray's actor creation runs inspect.getfullargspec, which turns any Exception raised
+    inside it into TypeError('unsupported callable'): a SIGTERM landing there must still stop
+    the start, not fail it as an error."""
+    import inspect
+
+    class ActorMethod:
+        def __call__(self) -> None: ...
+
+        @property
+        def __signature__(self) -> inspect.Signature:
+            interrupt(signal.SIGTERM, None)  # the signal arrives while Ray inspects it
+            return inspect.Signature()
+
+    with pytest.raises(StartupInterrupted, match="SIGTERM"):
+        inspect.getfullargspec(ActorMethod())
