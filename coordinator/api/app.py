@@ -147,7 +147,7 @@ class ApiKeyCheck:
         await self.app(scope, receive, send)
 
 
-@router.get("/health")
+@router.api_route("/health", methods=["GET", "HEAD"])  # HEAD: probes that read no body
 @router.api_route("/ping", methods=["GET", "POST"])
 async def health() -> dict:
     return {"status": "ok"}
@@ -161,7 +161,7 @@ async def version() -> dict:
         return {"version": "unknown"}
 
 
-@router.get("/ready")
+@router.api_route("/ready", methods=["GET", "HEAD"])
 async def ready(request: Request) -> dict:
     """Reads the backend's state (its supervisor keeps it current); starts nothing, so a probe
     every second costs nothing."""

@@ -14,7 +14,7 @@ import json
 import re
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
 from engine.tokenizer import RESERVED_TEMPLATE_KWARGS
@@ -519,4 +519,4 @@ class TokenizeRequest(TemplateOptions):
 
 class DetokenizeRequest(_Strict):
     model: str | None = None
-    tokens: list[int]
+    tokens: list[StrictInt]  # not true, 1.0 or "1", which lax parsing would take for token 1

@@ -151,6 +151,8 @@ BAD_REQUESTS = [
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
                               "model": "gpt-4"}, 404, "model"),
     ("/detokenize", {"tokens": [10**9]}, 400, "tokens"),
+    ("/detokenize", {"tokens": [True]}, 400, "tokens.0"),
+    ("/detokenize", {"tokens": ["5"]}, 400, "tokens.0"),
     # max_tokens is cut to the context left; min_tokens past it cannot be met.
     ("/v1/completions", {"prompt": LONG_PROMPT[:497], "max_tokens": 100, "min_tokens": 50},
      400, "min_tokens"),
@@ -378,6 +380,9 @@ def test_tokenize_round_trip(http) -> None:
 def test_health_and_readiness(http) -> None:
     assert http.get("/health").json() == {"status": "ok"}
     assert http.get("/ready").json() == {"status": "ready"}
+    for path in ("/health", "/ready"):  # probes that send HEAD
+        head = http.head(path)
+        assert (head.status_code, head.content) == (200, b"")
 
 
 def test_json_sent_without_its_content_type_is_told_so(http) -> None:
