@@ -109,7 +109,7 @@ def run(args: argparse.Namespace) -> int:
         if args.json:
             record = {
                 "text": output.text,
-                "token_ids": output.token_ids,
+                "token_ids": list(output.token_ids),
                 "finish_reason": output.finish_reason,
             }
             print(json.dumps(record, ensure_ascii=False))

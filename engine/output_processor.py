@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from engine.outputs import RequestOutput
+from engine.outputs import RequestOutput, TextSoFar, TokensSoFar
 from engine.tokenizer import IncrementalDetokenizer, Tokenizer
 from protocol.messages import TokenUpdate
 from protocol.sampling import FinishReason, PromptLogprob, SamplingParams
@@ -26,7 +26,14 @@ class RequestState:
         self.token_ids: list[int] = []
         self.logprobs = [] if params.logprobs is not None else None
         self.prompt_logprobs: list[PromptLogprob | None] | None = None
-        self.text = ""
+        # The text is kept as the pieces the detokenizer gave (a string grown by += is copied
+        # whole each time while an output holds it) and its length, which a stop string may
+        # cut below the pieces' total. `recent` is its end from `recent_at` on: the part not
+        # sent yet and the `holdback` characters a stop string may still begin in.
+        self.text_pieces: list[str] = []
+        self.text_length = 0
+        self.recent = ""
+        self.recent_at = 0
         self.num_sent_chars = 0
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
@@ -47,10 +54,10 @@ class RequestState:
         text_tokens = tokens
         if update.stop_token_id is not None and not self.params.include_stop_str_in_output:
             text_tokens = tokens[:-1]
-        scan_from = max(0, len(self.text) - self.holdback)
-        self.text += self.detokenizer.push(text_tokens)
+        scan_from = max(0, self.text_length - self.holdback)
+        self._add_text(self.detokenizer.push(text_tokens))
         if update.finish_reason is not None:
-            self.text += self.detokenizer.flush()
+            self._add_text(self.detokenizer.flush())
             self.finish_reason = update.finish_reason.value
             # A stop token the request named; None for EOS, as vLLM reports it.
             token = update.stop_token_id
@@ -58,30 +65,51 @@ class RequestState:
         hit = self._find_stop_string(scan_from)
         return self._output(update, len(tokens)), hit
 
+    @property
+    def text(self) -> str:
+        """All the text so far (joined: for the end of a request, not for every token)."""
+        return str(TextSoFar(self.text_pieces, len(self.text_pieces), self.text_length))
+
+    def _add_text(self, piece: str) -> None:
+        if piece:
+            self.text_pieces.append(piece)
+            self.recent += piece
+            self.text_length += len(piece)
+
     def _find_stop_string(self, scan_from: int) -> bool:
+        """A stop string that ends in the new text; `scan_from` >= `recent_at` (a stop string
+        that began earlier ended before the new text, and was found then)."""
         if not self.params.stop:
             return False
-        found = [(self.text.find(s, scan_from), s) for s in self.params.stop]
+        found = [(self.recent.find(s, scan_from - self.recent_at), s) for s in self.params.stop]
         found = [(at, s) for at, s in found if at >= 0]
         if not found:
             return False
         at, stop = min(found)
         keep = at + len(stop) if self.params.include_stop_str_in_output else at
-        self.text = self.text[:keep]
+        self.recent = self.recent[:keep]
+        self.text_length = self.recent_at + keep
         self.finish_reason, self.stop_reason = FinishReason.STOP.value, stop
         return True
 
     def _output(self, update: TokenUpdate, num_new: int) -> RequestOutput:
-        sendable = len(self.text) if self.finished else max(0, len(self.text) - self.holdback)
+        length = self.text_length
+        sendable = length if self.finished else max(0, length - self.holdback)
         sendable = max(sendable, self.num_sent_chars)
-        delta = self.text[self.num_sent_chars : sendable]
+        delta = self.recent[self.num_sent_chars - self.recent_at : sendable - self.recent_at]
         self.num_sent_chars = sendable
+        # what may still be sent, or be the start of a stop string, stays in `recent`
+        drop = min(sendable, max(0, length - self.holdback)) - self.recent_at
+        if drop > 0:
+            self.recent = self.recent[drop:]
+            self.recent_at += drop
+        num_tokens = len(self.token_ids)
         return RequestOutput(
             request_id=self.request_id,
             prompt_token_ids=self.prompt_ids,
-            token_ids=list(self.token_ids),
-            text=self.text,
-            delta_token_ids=self.token_ids[len(self.token_ids) - num_new :],
+            token_ids=TokensSoFar(self.token_ids, num_tokens),
+            text=TextSoFar(self.text_pieces, len(self.text_pieces), length),
+            delta_token_ids=self.token_ids[num_tokens - num_new :],
             delta_text=delta,
             logprobs=self.logprobs,
             finish_reason=self.finish_reason,

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from collections.abc import AsyncIterator
 
@@ -74,8 +73,7 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
 
 def _prompt_only(out: RequestOutput) -> RequestOutput:
     """A max_tokens 0 request's output: the token made to get the prompt's logprobs dropped."""
-    return dataclasses.replace(
-        out,
+    return out.replace(
         token_ids=[],
         text="",
         delta_token_ids=[],

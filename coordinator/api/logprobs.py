@@ -44,7 +44,7 @@ def new_logprobs(output: RequestOutput) -> tuple[list[int], list[TokenLogprobs]]
 
 def all_logprobs(output: RequestOutput) -> tuple[list[int], list[TokenLogprobs]]:
     end = len(output.token_ids)
-    return output.token_ids, list((output.logprobs or [])[:end])
+    return list(output.token_ids), list((output.logprobs or [])[:end])
 
 
 def completion_logprobs(

@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import threading
 from collections.abc import AsyncIterator
-from dataclasses import replace
 
 from coordinator.api.streams import closing
 from engine.local_client import LocalEngineClient
@@ -107,7 +106,7 @@ class FailingClient(WrappedClient):
         async with closing(self.inner.generate(prompt_ids, params, request_id)) as stream:
             sent = 0
             async for output in stream:
-                yield replace(output, finish_reason=None, stop_reason=None)
+                yield output.replace(finish_reason=None, stop_reason=None)
                 sent += len(output.delta_token_ids)
                 if sent >= self.fail_after or output.finished:
                     raise EngineDeadError("decode worker lost")
