@@ -44,6 +44,8 @@ class Reservation(NamedTuple):
     num_cached_tokens: int  # leading tokens whose KV this engine already holds
 
 
+# How long a step with nothing to run but requests waiting for their grammar waits for one.
+COMPILE_POLL_S = 0.05
 PlanLayerHook = Callable[[StepPlan, int], None]
 PlanHook = Callable[[StepPlan], object]
 
@@ -90,10 +92,13 @@ class LLMEngine:
             self.blocks,
         )
         self.sequences: dict[str, Sequence] = {}  # queued or running here
+        # queued here, held out of the scheduler until their response format has compiled
+        self.compiling: dict[str, Sequence] = {}
         self.reserved: dict[str, Sequence] = {}  # blocks held, KV arriving from elsewhere
         self.generators: dict[str, torch.Generator] = {}
         self.default_generator = torch.Generator().manual_seed(config.seed)
-        # Response formats' matchers (made on a structured request's first sample).
+        # Response formats: grammars compiled off this thread as requests arrive, and matchers
+        # (made on a structured request's first sample).
         self.structures = Structures(self.model_config.path, self.model_config.vocab_size)
         log.info("engine ready: %d KV blocks of %d tokens", self.num_blocks, config.block_size)
 
@@ -129,7 +134,10 @@ class LLMEngine:
             params = dataclasses.replace(params, prompt_logprobs=None)
         seq = self._new_sequence(request_id, prompt_ids, params, output_ids)
         seq.arrival_time -= age_s
-        self.scheduler.add(seq)
+        if params.structure is None or self.structures.ready(params.structure):
+            self.scheduler.add(seq)
+        else:
+            self.compiling[request_id] = seq
 
     def _new_sequence(
         self,
@@ -142,6 +150,8 @@ class LLMEngine:
             raise RequestError(f"request id {request_id!r} is already in use")
         self.check_request([*prompt_ids, *output_ids], params)
         seq = Sequence(request_id, [*prompt_ids, *output_ids], len(prompt_ids), params)
+        if params.structure is not None:  # a reservation's compiles while its KV is on its way
+            self.structures.prepare(params.structure)
         if params.prompt_logprobs is not None:
             seq.prompt_logprobs = [None]  # the first token's (a one-token prompt's only one)
         self.sequences[request_id] = seq
@@ -225,7 +235,8 @@ class LLMEngine:
         self.structures.forget(request_id)
         if seq is None:
             return False
-        self.scheduler.finish(seq, FinishReason.ABORT)
+        if self.compiling.pop(request_id, None) is None:
+            self.scheduler.finish(seq, FinishReason.ABORT)
         return True
 
     def close(self) -> None:
@@ -251,7 +262,8 @@ class LLMEngine:
         """Counts for stats and routing. Any thread may call it: each container is copied in
         one step under the GIL, so the counts may be a step stale but never torn."""
         blocks = self.blocks
-        running, waiting = list(self.scheduler.running), list(self.scheduler.waiting)
+        running = list(self.scheduler.running)
+        waiting = [*self.scheduler.waiting, *list(self.compiling.values())]
         in_prefill = [s for s in running if s.num_uncomputed_tokens > 1]
         return EngineSnapshot(
             num_running=len(running),
@@ -273,7 +285,7 @@ class LLMEngine:
     @property
     def has_unfinished(self) -> bool:
         """Work for `step()`: queued or running requests (reservations wait for their KV)."""
-        return self.scheduler.num_unfinished > 0
+        return self.scheduler.num_unfinished > 0 or bool(self.compiling)
 
     def step(
         self, on_layer: PlanLayerHook | None = None, on_plan: PlanHook | None = None
@@ -282,15 +294,36 @@ class LLMEngine:
         goes to the follower ranks with the batch; `on_layer(plan, i)` runs once layer i's KV
         of the plan is written. A request whose sampling raises fails alone (a
         RequestFailed); the rest go on."""
+        failed = self._admit_compiled() if self.compiling else []
         started = time.perf_counter()
         threads = torch.get_num_threads()
         plan = self.scheduler.schedule(len(self.reserved))
         if not plan.chunks:
-            return []
+            if self.compiling and not failed:  # nothing to run until a grammar is ready
+                self.structures.wait(COMPILE_POLL_S)
+            return failed
         try:
-            return self._run(plan, on_layer, on_plan)
+            return failed + self._run(plan, on_layer, on_plan)
         finally:
             self._record(plan, time.perf_counter() - started, threads)
+
+    def _admit_compiled(self) -> list[WorkerUpdate]:
+        """Requests whose grammar has compiled join the scheduler's queue, in arrival order;
+        those whose grammar failed or ran out of time fail alone."""
+        failed: list[WorkerUpdate] = []
+        for request_id, seq in list(self.compiling.items()):
+            structure = seq.params.structure
+            assert structure is not None
+            if not self.structures.ready(structure):
+                continue
+            try:
+                self.structures.compile(structure)  # at once: ready
+            except Exception as err:
+                failed.append(self._fail_sampling(seq, err))  # (abort drops it from compiling)
+                continue
+            del self.compiling[request_id]
+            self.scheduler.add(seq)
+        return failed
 
     def _run(
         self, plan: StepPlan, on_layer: PlanLayerHook | None, on_plan: PlanHook | None

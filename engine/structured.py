@@ -9,13 +9,23 @@ worker that takes over a request (its first token from the prefill worker, or th
 lost attempt streamed) needs nothing from the worker before it. The grammar completed, the
 sequence ends (`finished`), even with `ignore_eos`.
 
+Grammars compile on a thread of their own, never on the engine thread: a large schema takes
+up to about a second (a pathological one, minutes), and every other request on the engine
+would wait that long. A request is held out of the scheduler until its grammar is ready
+(`prepare` at arrival, `ready` each step); one whose grammar is not ready `COMPILE_TIMEOUT_S`
+after its compile began fails alone. xgrammar releases the GIL while it compiles.
+
 xgrammar is optional (`pip install xgrammar`): without it a structured request fails with a
 message that says so.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
+import queue
 import re
+import threading
+import time
 from collections import OrderedDict
 from pathlib import Path
 from typing import Any
@@ -25,6 +35,10 @@ import torch
 from protocol.errors import RequestError
 
 COMPILED_KEPT = 64  # compiled grammars kept per engine, the most recently used
+# A grammar not compiled this long after its compile began fails the requests that wait for it.
+# The format limits (protocol/sampling.py) keep real schemas near a second on a CPU core; the
+# coordinator waits 30 s and more for a prefill.
+COMPILE_TIMEOUT_S = 20.0
 
 
 class Structures:
@@ -35,7 +49,68 @@ class Structures:
         self.vocab_size = vocab_size  # the logits' width (may exceed the tokenizer's)
         self._compiler: Any = None
         self._compiled: OrderedDict[tuple[str, str], Any] = OrderedDict()
+        # spec -> (its compile's future, when the compile was asked for: time.monotonic())
+        self._compiling: dict[tuple[str, str], tuple[concurrent.futures.Future, float]] = {}
+        self._jobs: queue.SimpleQueue[tuple[concurrent.futures.Future, tuple[str, str]]] | None = (
+            None
+        )
         self.matchers: dict[str, Any] = {}  # request id -> its matcher
+
+    def prepare(self, spec: tuple[str, str]) -> None:
+        """Starts compiling `spec` off the engine thread, unless it is compiled or compiling."""
+        self._settle()
+        if spec in self._compiled or spec in self._compiling:
+            return
+        if self._jobs is None:  # a daemon: a compile still running never holds up an exit
+            self._jobs = queue.SimpleQueue()
+            threading.Thread(target=self._compile_jobs, name="grammar-compile", daemon=True).start()
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        self._compiling[spec] = (future, time.monotonic())
+        self._jobs.put((future, spec))
+
+    def _settle(self) -> None:
+        """Compiles that ended leave `_compiling`, waited for or not (their requests may have
+        been aborted): a grammar is kept; an error is forgotten once every request that waited
+        for it has read it (they all have, past the compile's time)."""
+        now = time.monotonic()
+        for spec, (future, started) in list(self._compiling.items()):
+            if not future.done():
+                continue
+            if future.exception() is None:
+                del self._compiling[spec]
+                self._keep(spec, future.result())
+            elif now - started > COMPILE_TIMEOUT_S:
+                del self._compiling[spec]
+
+    def _keep(self, spec: tuple[str, str], compiled: Any) -> None:
+        self._compiled[spec] = compiled
+        while len(self._compiled) > COMPILED_KEPT:
+            self._compiled.popitem(last=False)
+
+    def ready(self, spec: tuple[str, str]) -> bool:
+        """Whether `compile(spec)` answers without waiting: compiled, failed, or past its time."""
+        if spec in self._compiled:
+            return True
+        pending = self._compiling.get(spec)
+        if pending is None:  # compiled, then dropped from the kept ones since: once more
+            self.prepare(spec)
+            return False
+        return pending[0].done() or time.monotonic() - pending[1] > COMPILE_TIMEOUT_S
+
+    def wait(self, seconds: float) -> None:
+        """Up to `seconds`, until some compile ends (an engine with nothing else to do)."""
+        futures = [future for future, _ in self._compiling.values()]
+        if futures:
+            concurrent.futures.wait(futures, seconds, concurrent.futures.FIRST_COMPLETED)
+
+    def _compile_jobs(self) -> None:
+        assert self._jobs is not None
+        while True:
+            future, spec = self._jobs.get()
+            try:
+                future.set_result(self._compile_now(spec))
+            except BaseException as err:  # the requests waiting for it learn why
+                future.set_exception(err)
 
     def allowed(
         self, request_id: str, spec: tuple[str, str], output_ids: list[int]
@@ -73,11 +148,29 @@ class Structures:
         self.matchers.pop(request_id, None)
 
     def compile(self, spec: tuple[str, str]) -> Any:
-        """The compiled grammar of `spec` (kind, text); RequestError for one xgrammar refuses."""
+        """The compiled grammar of `spec` (kind, text), waiting for its compile if it is under
+        way (and started, if not); RequestError for one xgrammar refuses or one past its time."""
+        self.prepare(spec)  # (which keeps a grammar whose compile has just ended)
         compiled = self._compiled.get(spec)
         if compiled is not None:
             self._compiled.move_to_end(spec)
             return compiled
+        future, started = self._compiling[spec]
+        try:
+            compiled = future.result(max(0.0, started + COMPILE_TIMEOUT_S - time.monotonic()))
+        except TimeoutError:  # it goes on; the grammar is kept if it ever ends (`_settle`)
+            raise RequestError(
+                f"the response format did not compile within {COMPILE_TIMEOUT_S:g} s"
+            ) from None
+        except BaseException:
+            del self._compiling[spec]  # a later request tries again
+            raise
+        del self._compiling[spec]
+        self._keep(spec, compiled)
+        return compiled
+
+    def _compile_now(self, spec: tuple[str, str]) -> Any:
+        """Compiles `spec` (on the compile thread)."""
         compiler = self._compiler or self._make_compiler()
         kind, text = spec
         try:
@@ -93,9 +186,6 @@ class Structures:
             raise RequestError(
                 f"the {kind.replace('_', ' ')} cannot be used: {_reason(err)}"
             ) from None
-        self._compiled[spec] = compiled
-        while len(self._compiled) > COMPILED_KEPT:
-            self._compiled.popitem(last=False)
         return compiled
 
     def _make_compiler(self) -> Any:

@@ -6,12 +6,16 @@ alone."""
 from __future__ import annotations
 
 import json
+import threading
+import time
 
 import pytest
 
+from engine import structured
 from engine.config import EngineConfig
 from engine.engine import LLMEngine
 from engine.llm import LLM
+from engine.structured import Structures
 from protocol.messages import RequestFailed
 from protocol.sampling import SamplingParams
 
@@ -86,15 +90,87 @@ def test_a_matcher_made_late_reads_the_tokens_sampled_elsewhere(tiny_llama) -> N
     assert tokens == list(full.token_ids)
 
 
+def steps_to_the_end(engine: LLMEngine, seconds: float = 60.0) -> list:
+    """Every update until the engine has nothing left (grammars compile on their own thread)."""
+    updates, deadline = [], time.monotonic() + seconds
+    while engine.has_unfinished:
+        assert time.monotonic() < deadline, "the engine never finished"
+        updates += engine.step()
+    return updates
+
+
 def beside_a_good_one(tiny_llama, bad: SamplingParams) -> tuple[LLMEngine, list]:
-    """Request "bad" with `bad`, "good" (3 greedy tokens) beside it: the updates of 10 steps."""
+    """Request "bad" with `bad`, "good" (3 greedy tokens) beside it: every update."""
     engine = LLMEngine(EngineConfig(tiny_llama, dtype="float32", block_size=4, num_kv_blocks=256))
     engine.add_request("bad", PROMPT, bad)
     engine.add_request("good", PROMPT, SamplingParams(max_tokens=3, temperature=0))
+    return engine, steps_to_the_end(engine)
+
+
+@pytest.fixture
+def held_compiles(monkeypatch) -> threading.Event:
+    """Grammar compiles wait until the returned event is set (set again at the test's end, so
+    the compile thread is never left waiting)."""
+    release = threading.Event()
+    real = Structures._compile_now
+
+    def held(self, spec):
+        release.wait(60)
+        return real(self, spec)
+
+    monkeypatch.setattr(Structures, "_compile_now", held)
+    yield release
+    release.set()
+
+
+def test_a_slow_compile_holds_up_its_own_request_only(llm, tiny_llama, held_compiles) -> None:
+    """The grammar compiles off the engine thread: the request beside it runs to its end
+    meanwhile, and the structured one starts once its grammar is ready, with the output it
+    has without the wait."""
+    structured_params = SamplingParams(max_tokens=9, temperature=0, structure=("regex", "ab+"))
+    held_compiles.set()
+    expected = llm.generate_ids([PROMPT], structured_params)[0].token_ids
+    held_compiles.clear()
+    engine = LLMEngine(EngineConfig(tiny_llama, dtype="float32", block_size=4, num_kv_blocks=256))
+    engine.add_request("slow", PROMPT, structured_params)
+    engine.add_request("good", PROMPT, SamplingParams(max_tokens=3, temperature=0))
     updates = []
-    for _ in range(10):
+    for _ in range(20):
         updates += engine.step()
-    return engine, updates
+    assert sum(len(u.token_ids) for u in updates if u.request_id == "good") == 3
+    assert not [u for u in updates if u.request_id == "slow"] and list(engine.compiling) == ["slow"]
+    assert engine.snapshot().num_waiting == 1
+    held_compiles.set()
+    slow = [u for u in steps_to_the_end(engine) if u.request_id == "slow"]
+    assert [t for u in slow for t in u.token_ids] == list(expected)
+    assert slow[-1].finish_reason is not None and not engine.compiling
+
+
+def test_a_compile_past_its_time_fails_its_request_alone(tiny_llama, held_compiles, monkeypatch):
+    monkeypatch.setattr(structured, "COMPILE_TIMEOUT_S", 0.3)
+    engine, updates = beside_a_good_one(
+        tiny_llama, SamplingParams(max_tokens=5, structure=("regex", "(ab)+"))
+    )
+    failed = [u for u in updates if isinstance(u, RequestFailed)]
+    assert [u.request_id for u in failed] == ["bad"] and "did not compile within" in failed[
+        0
+    ].reason
+    assert failed[0].invalid and not failed[0].retry
+    assert sum(len(u.token_ids) for u in updates if u.request_id == "good") == 3
+    assert engine.blocks.num_free_blocks == engine.num_blocks and not engine.sequences
+
+
+def test_an_abort_while_its_grammar_compiles_leaves_nothing(tiny_llama, held_compiles) -> None:
+    engine = LLMEngine(EngineConfig(tiny_llama, dtype="float32", block_size=4, num_kv_blocks=64))
+    engine.add_request("r", PROMPT, SamplingParams(max_tokens=3, structure=("regex", "a+")))
+    assert engine.step() == [] and engine.has_unfinished
+    assert engine.abort("r")
+    assert not engine.has_unfinished and not engine.sequences and not engine.compiling
+    assert engine.blocks.num_free_blocks == engine.num_blocks
+    held_compiles.set()  # its compile ends with nobody waiting: the grammar is kept all the same
+    engine.add_request("s", PROMPT, SamplingParams(max_tokens=3, structure=("regex", "b+")))
+    steps_to_the_end(engine)
+    assert engine.structures.ready(("regex", "a+")) and not engine.structures._compiling
 
 
 def test_a_schema_the_grammar_compiler_refuses_fails_its_request_alone(tiny_llama) -> None:
@@ -133,5 +209,5 @@ def test_without_xgrammar_a_structured_request_says_how_to_get_it(tiny_llama, mo
     monkeypatch.setitem(sys.modules, "xgrammar", None)  # import xgrammar raises ImportError
     engine = LLMEngine(EngineConfig(tiny_llama, dtype="float32", block_size=4, num_kv_blocks=64))
     engine.add_request("r", PROMPT, SamplingParams(max_tokens=3, structure=("regex", "a")))
-    [failed] = engine.step()
+    [failed] = steps_to_the_end(engine)
     assert isinstance(failed, RequestFailed) and "pip install xgrammar" in failed.reason
