@@ -45,7 +45,7 @@ class Reservation(NamedTuple):
 
 
 # How long a step with nothing to run but requests waiting for their grammar waits for one.
-COMPILE_POLL_S = 0.05
+COMPILE_POLL_S = 0.01  # (calls from other threads wait for the step that long at most)
 PlanLayerHook = Callable[[StepPlan, int], None]
 PlanHook = Callable[[StepPlan], object]
 
