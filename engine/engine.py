@@ -24,7 +24,7 @@ from engine.parallel import TPShard, shard_for
 from engine.runner import ModelRunner
 from engine.sampler import SampleRow, prompt_logprobs, sample, uniform
 from engine.scheduler import Scheduler, SchedulerConfig, StepPlan, fits_with_headroom
-from engine.sequence import Sequence
+from engine.sequence import Sequence, SequenceStatus
 from engine.stop import blocked_tokens, check_stop
 from engine.structured import Structures, left_blocked
 from engine.tensor_parallel import Launcher
@@ -205,7 +205,12 @@ class LLMEngine:
         if generator is not None and not seq.params.greedy:
             skip_draws(generator, 1)  # the prefill worker's draw for `token_id`
         self.scheduler.add_running(seq)
-        return self._update([seq], [token_id], [logprobs])[0]
+        update = self._update([seq], [token_id], [logprobs])[0]
+        structure = seq.params.structure
+        if structure is not None and not seq.is_finished and not self.structures.ready(structure):
+            self.scheduler.hold(seq)  # its KV came before its grammar: it samples once that has
+            self.compiling[request_id] = seq
+        return update
 
     def release(self, request_id: str) -> bool:
         """Drops a reservation (transfer failed or expired); False if there is none."""
@@ -235,8 +240,12 @@ class LLMEngine:
         self.structures.forget(request_id)
         if seq is None:
             return False
-        if self.compiling.pop(request_id, None) is None:
-            self.scheduler.finish(seq, FinishReason.ABORT)
+        held = self.compiling.pop(request_id, None)
+        if held is not None and held.status is SequenceStatus.RUNNING:
+            self.scheduler.resume(held)  # admitted with its KV: finish frees its blocks
+        elif held is not None:
+            return True  # waiting for its grammar before its prefill: it holds no blocks
+        self.scheduler.finish(seq, FinishReason.ABORT)
         return True
 
     def close(self) -> None:
@@ -256,14 +265,16 @@ class LLMEngine:
     def has_room(self, num_reserved: int = 0) -> bool:
         """Whether another sequence may join the running batch (`num_reserved` more are
         promised to it already)."""
-        return len(self.scheduler.running) + num_reserved < self.config.max_num_seqs
+        held = self._num_held()
+        return len(self.scheduler.running) + held + num_reserved < self.config.max_num_seqs
 
     def snapshot(self) -> EngineSnapshot:
         """Counts for stats and routing. Any thread may call it: each container is copied in
         one step under the GIL, so the counts may be a step stale but never torn."""
         blocks = self.blocks
-        running = list(self.scheduler.running)
-        waiting = [*self.scheduler.waiting, *list(self.compiling.values())]
+        running, waiting = list(self.scheduler.running), list(self.scheduler.waiting)
+        for seq in list(self.compiling.values()):  # waiting for their grammar
+            (running if seq.status is SequenceStatus.RUNNING else waiting).append(seq)
         in_prefill = [s for s in running if s.num_uncomputed_tokens > 1]
         return EngineSnapshot(
             num_running=len(running),
@@ -297,15 +308,22 @@ class LLMEngine:
         failed = self._admit_compiled() if self.compiling else []
         started = time.perf_counter()
         threads = torch.get_num_threads()
-        plan = self.scheduler.schedule(len(self.reserved))
+        plan = self.scheduler.schedule(len(self.reserved) + self._num_held())
         if not plan.chunks:
             if self.compiling and not failed:  # nothing to run until a grammar is ready
-                self.structures.wait(COMPILE_POLL_S)
+                specs = {seq.params.structure for seq in self.compiling.values()}
+                self.structures.wait(specs, COMPILE_POLL_S)  # type: ignore[arg-type]
             return failed
         try:
             return failed + self._run(plan, on_layer, on_plan)
         finally:
             self._record(plan, time.perf_counter() - started, threads)
+
+    def _num_held(self) -> int:
+        """Admitted sequences out of the batch until their grammar is ready: seats taken."""
+        if not self.compiling:
+            return 0
+        return sum(seq.status is SequenceStatus.RUNNING for seq in list(self.compiling.values()))
 
     def _admit_compiled(self) -> list[WorkerUpdate]:
         """Requests whose grammar has compiled join the scheduler's queue, in arrival order;
@@ -322,7 +340,10 @@ class LLMEngine:
                 failed.append(self._fail_sampling(seq, err))  # (abort drops it from compiling)
                 continue
             del self.compiling[request_id]
-            self.scheduler.add(seq)
+            if seq.status is SequenceStatus.RUNNING:
+                self.scheduler.resume(seq)
+            else:
+                self.scheduler.add(seq)
         return failed
 
     def _run(

@@ -142,6 +142,14 @@ class Scheduler:
         self._cache_computed(seq)
         self.running.append(seq)
 
+    def hold(self, seq: Sequence) -> None:
+        """Takes a running sequence out of the batch with its blocks (its response format is
+        still compiling); `resume` puts it back."""
+        self.running.remove(seq)
+
+    def resume(self, seq: Sequence) -> None:
+        self.running.append(seq)
+
     @property
     def num_unfinished(self) -> int:
         return len(self.waiting) + len(self.running)

@@ -27,6 +27,7 @@ import re
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -76,7 +77,9 @@ class Structures:
         for spec, (future, started) in list(self._compiling.items()):
             if not future.done():
                 continue
-            if future.exception() is None:
+            if future.cancelled():
+                del self._compiling[spec]
+            elif future.exception() is None:
                 del self._compiling[spec]
                 self._keep(spec, future.result())
             elif now - started > COMPILE_TIMEOUT_S:
@@ -91,15 +94,21 @@ class Structures:
         """Whether `compile(spec)` answers without waiting: compiled, failed, or past its time."""
         if spec in self._compiled:
             return True
+        self._settle()  # (a compile given up on leaves, and is asked for again)
+        if spec in self._compiled:
+            return True
         pending = self._compiling.get(spec)
         if pending is None:  # compiled, then dropped from the kept ones since: once more
             self.prepare(spec)
             return False
         return pending[0].done() or time.monotonic() - pending[1] > COMPILE_TIMEOUT_S
 
-    def wait(self, seconds: float) -> None:
-        """Up to `seconds`, until some compile ends (an engine with nothing else to do)."""
-        futures = [future for future, _ in self._compiling.values()]
+    def wait(self, specs: Iterable[tuple[str, str]], seconds: float) -> None:
+        """Up to `seconds`, until one of these grammars is ready (an engine with nothing else to
+        do; not past a compile that ended, or it would spin)."""
+        self._settle()
+        futures = [self._compiling[s][0] for s in specs if s in self._compiling]
+        futures = [future for future in futures if not future.done()]
         if futures:
             concurrent.futures.wait(futures, seconds, concurrent.futures.FIRST_COMPLETED)
 
@@ -107,6 +116,8 @@ class Structures:
         assert self._jobs is not None
         while True:
             future, spec = self._jobs.get()
+            if not future.set_running_or_notify_cancel():  # given up before it began
+                continue
             try:
                 future.set_result(self._compile_now(spec))
             except BaseException as err:  # the requests waiting for it learn why
@@ -157,14 +168,15 @@ class Structures:
             return compiled
         future, started = self._compiling[spec]
         try:
+            # (its error stays for every request that waited for it; `_settle` drops it later)
             compiled = future.result(max(0.0, started + COMPILE_TIMEOUT_S - time.monotonic()))
-        except TimeoutError:  # it goes on; the grammar is kept if it ever ends (`_settle`)
+        except concurrent.futures.TimeoutError:
+            # A compile under way goes on, and its grammar is kept if it ends (`_settle`); one
+            # still queued (behind a slow one) never starts.
+            future.cancel()
             raise RequestError(
                 f"the response format did not compile within {COMPILE_TIMEOUT_S:g} s"
             ) from None
-        except BaseException:
-            del self._compiling[spec]  # a later request tries again
-            raise
         del self._compiling[spec]
         self._keep(spec, compiled)
         return compiled

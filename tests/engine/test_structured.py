@@ -10,6 +10,7 @@ import threading
 import time
 
 import pytest
+from transformers import AutoTokenizer
 
 from engine import structured
 from engine.config import EngineConfig
@@ -211,3 +212,58 @@ def test_without_xgrammar_a_structured_request_says_how_to_get_it(tiny_llama, mo
     engine.add_request("r", PROMPT, SamplingParams(max_tokens=3, structure=("regex", "a")))
     [failed] = steps_to_the_end(engine)
     assert isinstance(failed, RequestFailed) and "pip install xgrammar" in failed.reason
+
+
+def test_kv_that_arrives_before_its_grammar_waits_out_of_the_batch(tiny_llama, held_compiles):
+    """A decode worker's reservation: its KV (and first token) may come before its grammar has
+    compiled. The request keeps its seat and blocks but samples nothing, and the engine thread
+    never waits for the compile; once the grammar is ready it decodes inside the format."""
+    config = EngineConfig(tiny_llama, dtype="float32", block_size=4, num_kv_blocks=64,
+                          max_num_seqs=2)  # fmt: skip
+    engine = LLMEngine(config)
+    params = SamplingParams(max_tokens=9, temperature=0, ignore_eos=True, structure=("regex", "x+"))
+    assert engine.reserve("remote", PROMPT, params) is not None
+    [x] = AutoTokenizer.from_pretrained(tiny_llama).encode("x", add_special_tokens=False)
+    first = engine.admit("remote", x)  # the prefill worker's token (its KV is not sent here)
+    assert first.token_ids == [x] and list(engine.compiling) == ["remote"]
+    four = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    engine.add_request("plain", PROMPT, four)
+    engine.add_request("next", PROMPT, four)
+    started = time.monotonic()
+    updates = engine.step()
+    assert [seq.request_id for seq in engine.scheduler.running] == ["plain"]
+    assert not engine.has_room()  # "remote" keeps its seat while it waits: "next" waits too
+    for _ in range(8):
+        updates += engine.step()
+    assert time.monotonic() - started < 5  # (the compile is held for 60 s)
+    assert sum(len(u.token_ids) for u in updates if u.request_id in ("plain", "next")) == 8
+    assert not [u for u in updates if u.request_id == "remote"]
+    held_compiles.set()
+    remote = [u for u in steps_to_the_end(engine) if u.request_id == "remote"]
+    assert sum(len(u.token_ids) for u in remote) == 8 and remote[-1].finish_reason == "length"
+    assert engine.blocks.num_free_blocks == engine.num_blocks
+
+
+def test_an_abort_of_kv_waiting_for_its_grammar_frees_its_blocks(tiny_llama, held_compiles):
+    engine = LLMEngine(EngineConfig(tiny_llama, dtype="float32", block_size=4, num_kv_blocks=64))
+    params = SamplingParams(max_tokens=9, structure=("regex", "x+"))
+    assert engine.reserve("remote", PROMPT, params) is not None
+    engine.admit("remote", 5)
+    assert engine.blocks.num_free_blocks < engine.num_blocks and engine.compiling
+    assert engine.abort("remote")
+    assert engine.blocks.num_free_blocks == engine.num_blocks
+    assert not engine.compiling and not engine.sequences and not engine.has_unfinished
+
+
+def test_a_format_that_fails_to_compile_is_compiled_once_for_all_its_requests(tiny_llama):
+    engine = LLMEngine(EngineConfig(tiny_llama, dtype="float32", block_size=4, num_kv_blocks=64))
+    calls = []
+    real = engine.structures._compile_now
+    engine.structures._compile_now = lambda spec: calls.append(spec) or real(spec)  # type: ignore[method-assign]
+    bad = SamplingParams(max_tokens=3, structure=("json_schema", '{"type": "nonsense"}'))
+    for i in range(3):
+        engine.add_request(f"r{i}", PROMPT, bad)
+    failed = steps_to_the_end(engine)
+    assert sorted(u.request_id for u in failed) == ["r0", "r1", "r2"]
+    assert all(isinstance(u, RequestFailed) and "cannot be used" in u.reason for u in failed)
+    assert len(calls) == 1
