@@ -104,10 +104,12 @@ class RequestState:
             self.recent = self.recent[drop:]
             self.recent_at += drop
         num_tokens = len(self.token_ids)
+        # the last output's tokens a plain list (once per request), ready for JSON and the like
+        tokens = list(self.token_ids) if self.finished else TokensSoFar(self.token_ids, num_tokens)
         return RequestOutput(
             request_id=self.request_id,
             prompt_token_ids=self.prompt_ids,
-            token_ids=TokensSoFar(self.token_ids, num_tokens),
+            token_ids=tokens,
             text=TextSoFar(self.text_pieces, len(self.text_pieces), length),
             delta_token_ids=self.token_ids[num_tokens - num_new :],
             delta_text=delta,

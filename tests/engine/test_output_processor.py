@@ -75,5 +75,6 @@ def test_a_long_request_keeps_a_bounded_tail_of_its_text() -> None:
     assert len(state.recent) <= 3 + 1  # the holdback and the newest piece
     assert len(outputs[99].token_ids) == 100 and outputs[99].token_ids[-1] == 99 % 25
     assert outputs[-1].text == text_of([i % 25 for i in range(20_000)])
+    assert type(outputs[-1].token_ids) is list  # the last output's: ready for json.dumps
     with pytest.raises(IndexError):
         outputs[99].token_ids[100]  # noqa: B018 (past the view, not past the list it shares)
