@@ -65,11 +65,6 @@ class RequestState:
         hit = self._find_stop_string(scan_from)
         return self._output(update, len(tokens)), hit
 
-    @property
-    def text(self) -> str:
-        """All the text so far (joined: for the end of a request, not for every token)."""
-        return str(TextSoFar(self.text_pieces, len(self.text_pieces), self.text_length))
-
     def _add_text(self, piece: str) -> None:
         if piece:
             self.text_pieces.append(piece)

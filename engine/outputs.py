@@ -44,9 +44,6 @@ class TokensSoFar(Sequence[int]):
             return len(other) == self._count and all(map(operator.eq, self, other))
         return NotImplemented
 
-    def __hash__(self) -> int:
-        return hash(tuple(self))
-
     def __repr__(self) -> str:
         return repr(list(self))
 
