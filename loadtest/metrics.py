@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from itertools import chain
 
 import numpy as np
 
@@ -108,7 +109,7 @@ def compute_metrics(
         total_token_throughput=(total_input + total_output) / duration_s,
         ttft=summarize([r.ttft for r in done if r.ttft is not None], percentiles),
         tpot=summarize(tpots, percentiles),
-        itl=summarize([gap for r in done for gap in r.itl], percentiles),
+        itl=summarize(list(chain.from_iterable(r.itl for r in done)), percentiles),
         e2el=summarize([r.latency for r in done if r.latency is not None], percentiles),
         max_output_tokens_per_s=peak_chunks_per_s(done),
         max_concurrent_requests=busiest_second(done),
@@ -116,22 +117,22 @@ def compute_metrics(
     )
 
 
-def chunk_times(result: RequestResult) -> list[float]:
+def chunk_times(result: RequestResult) -> np.ndarray:
     """perf_counter times of the chunks carrying generated text."""
     if result.ttft is None:
-        return []
+        return np.empty(0)
     first = result.sent_at + result.ttft
-    return [first, *(first + gap for gap in np.cumsum(result.itl))]
+    return np.concatenate(([first], first + np.cumsum(np.asarray(result.itl, dtype=float))))
 
 
 def peak_chunks_per_s(done: Sequence[RequestResult]) -> float:
     """vLLM's max_output_tokens_per_s: text chunks (one counted as one token) in the busiest
     whole second, seconds counted from the first send."""
-    times = [t for r in done for t in chunk_times(r)]
-    if not times:
+    times = np.concatenate([chunk_times(r) for r in done]) if done else np.empty(0)
+    if not len(times):
         return 0.0
     start = min(r.sent_at for r in done)
-    seconds = np.floor(np.asarray(times) - start).astype(int)
+    seconds = np.floor(times - start).astype(int)
     return float(np.bincount(seconds[seconds >= 0]).max())
 
 

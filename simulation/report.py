@@ -7,12 +7,14 @@ import datetime
 import math
 from collections.abc import Mapping, Sequence
 
+import numpy as np
+
 from loadtest.client import RequestResult
 from loadtest.config import GoodputSLO, LoadConfig
 from loadtest.metrics import compute_metrics
 from loadtest.results import Record, result_record
 from loadtest.runner import RunOutcome
-from simulation.cluster import Outcome, Run
+from simulation.cluster import Outcome, Run, collector_paused
 from simulation.deployment import Scenario
 
 
@@ -25,7 +27,7 @@ def request_result(run: Run) -> RequestResult:
         prompt_len=len(run.request.prompt_ids),
         sent_at=sent,
         ttft=times[0] - sent if done else None,
-        itl=tuple(b - a for a, b in zip(times[:-1], times[1:], strict=True)) if done else (),
+        itl=tuple(np.diff(np.frombuffer(times)).tolist()) if done else (),
         latency=times[-1] - sent if done else None,
         output_tokens=len(times) if done else None,
         generated_text="",
@@ -45,9 +47,10 @@ def simulated_record(
 ) -> Record:
     """The record of `tandem bench` keys (and `simulation` with what was simulated);
     `per_request` False leaves the per-request lists empty (long traces)."""
-    finished = [r for r in outcome.runs if r.finished_at is not None]
-    results = [request_result(r) for r in finished]
-    metrics = compute_metrics(results, max(outcome.duration_s, 1e-9), percentiles, slo)
+    with collector_paused():
+        finished = [r for r in outcome.runs if r.finished_at is not None]
+        results = [request_result(r) for r in finished]
+        metrics = compute_metrics(results, max(outcome.duration_s, 1e-9), percentiles, slo)
     run_outcome = RunOutcome(
         tuple(results), 0.0, outcome.duration_s, outcome.num_aborted, outcome.num_unsent
     )
