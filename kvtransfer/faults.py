@@ -6,6 +6,9 @@ wraps any transport; on the prefill (sending) side, the chosen payload send (cou
 only, not frames, over all of the transport's channels; 0 is the first) is dropped, corrupted
 (one bit flipped in a copy, after the sender computed its checksum), delayed, sent twice, or the
 channel is cut just before it. `every=True` repeats the fault on every payload from then on.
+`Fault.CORRUPT_FRAME` counts step frames whose first chunk starts past token 0 instead, and
+flips the lowest set bit of that start: valid msgpack, payloads whose checksums hold, and KV
+that would land earlier in the request's slots than it belongs.
 Receiving is passed through: the decode side sees only what arrives.
 
 The fault-injection suite (tests/kvtransfer/test_fault_injection.py) builds workers around it;
@@ -19,9 +22,11 @@ import enum
 import threading
 import time
 
+import msgpack
 import torch
 
 from kvtransfer.transport import Channel, Pending, TransferError, Transport
+from kvtransfer.wire import FRAME_BYTES, HEADER_BYTES
 from protocol.kv import Endpoint
 
 
@@ -31,6 +36,7 @@ class Fault(enum.Enum):
     DELAY = "delay"  # sent `delay` seconds late (the channel's sender lane sleeps)
     DUPLICATE = "duplicate"  # arrives twice (the second copy under the same message number)
     CUT = "cut"  # the channel closes before the payload
+    CORRUPT_FRAME = "corrupt_frame"  # one bit of a step frame's token position flipped
 
 
 class FaultyTransport:
@@ -101,10 +107,15 @@ class _FaultyChannel:
         self.plan = plan
 
     def send_async(self, tensor: torch.Tensor) -> Pending:
+        fault = self.plan.fault
+        if fault is Fault.CORRUPT_FRAME:
+            if _start_at(tensor) is None or not self.plan.strikes():
+                return self.channel.send_async(tensor)
+            self.plan.injected += 1
+            return self.channel.send_async(_flip_start_bit(tensor))
         if _is_frame(tensor) or not self.plan.strikes():
             return self.channel.send_async(tensor)
         self.plan.injected += 1
-        fault = self.plan.fault
         if fault is Fault.DROP:
             self.channel.skip_message()
             return _Done()
@@ -135,6 +146,37 @@ class _FaultyChannel:
 
 def _is_frame(tensor: torch.Tensor) -> bool:
     return tensor.dim() == 1  # frames (and their msgpack extensions) are flat bytes
+
+
+def _start_at(tensor: torch.Tensor) -> int | None:
+    """Where the last byte of the first chunk's start lies in a step frame whose first chunk
+    starts past token 0 (kvtransfer/wire.py's layout; msgpack ints are big-endian); None for
+    any other tensor."""
+    if tensor.dim() != 1 or tensor.numel() != FRAME_BYTES:
+        return None
+    data = tensor.numpy().tobytes()
+    length = int.from_bytes(data[:2], "little")
+    kind, *fields = msgpack.unpackb(data[HEADER_BYTES : HEADER_BYTES + length])
+    if kind != "step" or not fields[0][0][1]:
+        return None
+    chunks = fields[0]
+    request_id, start, _ = chunks[0]
+    before = b"\x93" + msgpack.packb("step") + _array_header(len(chunks)) + b"\x93"
+    before += msgpack.packb(request_id)
+    return HEADER_BYTES + len(before) + len(msgpack.packb(start)) - 1
+
+
+def _array_header(count: int) -> bytes:
+    return msgpack.packb([None] * count)[:-count]  # each None is one byte
+
+
+def _flip_start_bit(frame: torch.Tensor) -> torch.Tensor:
+    """The frame with its first chunk's start lowered by its lowest set bit, CRC unchanged."""
+    copy = frame.clone()
+    at = _start_at(frame)
+    assert at is not None
+    copy[at] ^= int(copy[at]) & -int(copy[at])
+    return copy
 
 
 def _flip_one_bit(tensor: torch.Tensor) -> torch.Tensor:

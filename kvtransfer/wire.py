@@ -11,12 +11,22 @@ per layer holding every chunk's tokens back to back, layer by layer as the layer
 (each Done carrying the digest of its request's payloads when the ticket asks for checksums).
 A channel the prefill side closes on purpose ends with a Close frame.
 
+Every frame carries a CRC-32 of its msgpack bytes, checked before it is decoded: the payloads'
+checksums say the KV bytes are the ones sent, and this says where they go (a step frame's
+token positions) and which token the request starts from (a done frame's) are the ones sent. A
+frame that fails it breaks the channel (TransferError), so its requests fail and are retried
+rather than land KV in the wrong slots. The layout, little-endian:
+
+    frame = length (2 bytes) | crc32 of the msgpack (4 bytes) | msgpack | zero padding
+
 so the receiver can post every payload receive of the step at once, and nothing on the wire
-waits for it. A frame too long for FRAME_BYTES is sent as {"ext": n} plus n bytes of msgpack.
+waits for it. A frame too long for FRAME_BYTES is sent as {"ext": n, "crc": crc32} plus n
+bytes of msgpack.
 """
 
 from __future__ import annotations
 
+import zlib
 from typing import Any, NamedTuple
 
 import msgpack
@@ -25,7 +35,8 @@ import torch
 from kvtransfer.transport import Channel, TransferError
 
 FRAME_BYTES = 128
-_ROOM = FRAME_BYTES - 2
+HEADER_BYTES = 6  # length and CRC-32
+_ROOM = FRAME_BYTES - HEADER_BYTES
 
 
 class StepFrame(NamedTuple):
@@ -77,7 +88,7 @@ def encode_frame(frame: Frame) -> list[torch.Tensor]:
     body = msgpack.packb([_NAMES[type(frame)], *frame])
     if len(body) <= _ROOM:
         return [_frame_tensor(body)]
-    ext = _frame_tensor(msgpack.packb({"ext": len(body)}))
+    ext = _frame_tensor(msgpack.packb({"ext": len(body), "crc": zlib.crc32(body)}))
     return [ext, torch.frombuffer(bytearray(body), dtype=torch.uint8)]
 
 
@@ -100,7 +111,7 @@ class PostedFrame:
         if isinstance(decoded, dict):  # the real frame follows in `ext` bytes
             extended = torch.empty(decoded["ext"], dtype=torch.uint8)
             self.channel.recv(extended, 5.0 if timeout is None else timeout)
-            decoded = msgpack.unpackb(extended.numpy().tobytes())
+            decoded = msgpack.unpackb(_checked(extended.numpy().tobytes(), decoded["crc"]))
         name, *fields = decoded
         if name not in _KINDS:
             raise TransferError(f"unknown frame kind {name!r}")
@@ -112,9 +123,9 @@ def recv_frame(channel: Channel, timeout: float | None) -> Frame:
 
 
 def _frame_tensor(body: bytes) -> torch.Tensor:
+    header = len(body).to_bytes(2, "little") + zlib.crc32(body).to_bytes(4, "little")
     raw = torch.zeros(FRAME_BYTES, dtype=torch.uint8)
-    raw[:2] = torch.tensor(list(len(body).to_bytes(2, "little")), dtype=torch.uint8)
-    raw[2 : 2 + len(body)] = torch.frombuffer(bytearray(body), dtype=torch.uint8)
+    raw[: HEADER_BYTES + len(body)] = torch.frombuffer(bytearray(header + body), dtype=torch.uint8)
     return raw
 
 
@@ -123,4 +134,11 @@ def _frame_body(raw: torch.Tensor) -> bytes:
     length = int.from_bytes(data[:2], "little")
     if length > _ROOM:
         raise TransferError(f"corrupt frame (length {length})")
-    return data[2 : 2 + length]
+    crc = int.from_bytes(data[2:HEADER_BYTES], "little")
+    return _checked(data[HEADER_BYTES : HEADER_BYTES + length], crc)
+
+
+def _checked(body: bytes, crc: object) -> bytes:
+    if crc != zlib.crc32(body):
+        raise TransferError("corrupt frame (CRC-32 mismatch): its bytes are not the ones sent")
+    return body

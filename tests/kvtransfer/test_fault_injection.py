@@ -15,6 +15,8 @@ the workers stay up, and every KV block is free again on both sides.
                                                                  same message number and is
                                                                  never received; exact output
     cut                the channel closes mid-layer              channel error -> retry
+    corrupt frame      one frame (step, done) has a bit flipped  its CRC-32 fails -> the
+                                                                 channel closes -> retry
     delay (in lease)   one payload 0.3 s late                    nothing: exact output
     delay (past lease) one payload later than the lease           receive deadline / lease
                                                                  expiry -> retry
@@ -67,6 +69,7 @@ CASES = {
     "drop": Case(Fault.DROP),
     "duplicate": Case(Fault.DUPLICATE, retried=False),
     "cut": Case(Fault.CUT),
+    "corrupt frame": Case(Fault.CORRUPT_FRAME),
     "delay within lease": Case(Fault.DELAY, delay=0.3, retried=False),
     "delay past lease": Case(Fault.DELAY, delay=LEASE_S + 1.0),
 }
