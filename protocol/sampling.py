@@ -97,6 +97,8 @@ class SamplingParams:
         _check(-2 <= self.presence_penalty <= 2, "presence_penalty", "must be in [-2, 2]")
         _check(-2 <= self.frequency_penalty <= 2, "frequency_penalty", "must be in [-2, 2]")
         _check(all(self.stop), "stop", "must not contain empty strings")
+        for text in self.stop:  # (no generated text holds one: it could never match)
+            _check_unicode("stop", text)
         # (each is searched for in the new text of every token, on the serving event loop)
         _check(
             len(self.stop) <= MAX_STOP_STRINGS, "stop", f"takes at most {MAX_STOP_STRINGS} strings"
@@ -167,15 +169,20 @@ def _check(ok: bool, name: str, message: str) -> None:
         raise SamplingError(name, message)
 
 
-def _check_structure(kind: str, text: str) -> None:
-    """A response format's text: Unicode (a lone surrogate, as JSON escapes allow, is not),
-    and small and shallow enough to compile in well under a second."""
+def _check_unicode(name: str, text: str) -> None:
+    """Valid Unicode: a lone surrogate (a `\\ud800` escape, which JSON allows) is not."""
     try:
         text.encode("utf-8")
     except UnicodeEncodeError as err:
         raise SamplingError(
-            "response_format", f"is not valid Unicode: a lone surrogate at character {err.start}"
+            name, f"is not valid Unicode: a lone surrogate at character {err.start}"
         ) from None
+
+
+def _check_structure(kind: str, text: str) -> None:
+    """A response format's text: Unicode (a lone surrogate, as JSON escapes allow, is not),
+    and small and shallow enough to compile in well under a second."""
+    _check_unicode("response_format", text)
     _check(
         len(text) <= MAX_STRUCTURE_CHARS,
         "response_format",

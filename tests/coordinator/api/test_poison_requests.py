@@ -174,4 +174,10 @@ def test_lone_surrogates_are_a_400(capped) -> None:
     chat = '{"messages": [{"role": "user", "content": "x\\udfffy"}], "max_tokens": 2}'
     reply = capped.post("/v1/chat/completions", content=chat, headers=headers)
     assert reply.status_code == 400, reply.text
+    for stop in ['"\\ud800"', '["ok", "a\\udc00"]']:
+        raw = f'{{"prompt": "hi", "max_tokens": 2, "stop": {stop}}}'
+        reply = capped.post("/v1/completions", content=raw, headers=headers)
+        assert reply.status_code == 400, reply.text
+        error = reply.json()["error"]
+        assert error["param"] == "stop" and "surrogate" in error["message"]
     assert capped.post("/v1/completions", json={"prompt": "hi", "max_tokens": 1}).status_code == 200
