@@ -149,7 +149,8 @@ class Coordinator:
         self._room_for = room_for  # why this many more workers per pool cannot start, or None
         self._closing = False
         seen = LoopSettings() if planner is None else planner.settings
-        self.window = LoadWindow(seen.window_s, seen.percentile)  # the traffic the planner sees
+        # the traffic the planner sees (on time.monotonic, as TrackedRequest.arrived_at)
+        self.window = LoadWindow(seen.window_s, seen.percentile, opened_at=time.monotonic())
         self._request_capacity = request_capacity
         self.planner = None if planner is None else PlannerLoop(self, self.window, planner)
 

@@ -69,6 +69,12 @@ class DeployConfig:
             raise ConfigError("--planner-interval must be > 0")
         if self.planner_max_workers is not None and self.planner_max_workers < 2:
             raise ConfigError("--planner-max-workers must be at least 2 (a prefill and a decode)")
+        launched = self.num_prefill + self.num_decode
+        if self.planner_max_workers is not None and self.planner_max_workers < launched:
+            raise ConfigError(
+                f"--planner-max-workers {self.planner_max_workers} is below the {launched} "
+                "workers launched: the planner never grows past it, and would only shrink"
+            )
         for name in ("prefill_tp", "decode_tp"):
             if (getattr(self, name) or 1) < 1:
                 raise ConfigError(f"{name} must be at least 1")

@@ -160,19 +160,29 @@ class PlannerLoop:
     async def tick(self) -> Decision:
         obs = self.observe()
         decision = self.planner.decide(obs)
+        previous = self.current
         self.last, self.current = obs, decision
         self.counts[decision.action] += 1
+        mode = self.mode  # the mode the decision was made in, whatever it is set to meanwhile
         if decision.action in ACTIONS:
-            outcome = "recommended" if self.mode == "dry-run" else await self._carry_out(decision)
-            self.applied.append(Applied(decision, self.mode, outcome))
+            if mode == "dry-run":
+                outcome = "recommended"
+            else:
+                try:
+                    outcome = await self._carry_out(decision)
+                except asyncio.CancelledError:  # turned off (or shut down) mid-action
+                    why = "cancelled: the planner stopped (a role switch under way completes)"
+                    self.applied.append(Applied(decision, mode, why))
+                    raise
+            self.applied.append(Applied(decision, mode, outcome))
             log.info(
-                "planner %s: %s -> %dP%dD (%s): %s", self.mode, decision.action,
+                "planner %s: %s -> %dP%dD (%s): %s", mode, decision.action,
                 decision.prefill_workers, decision.decode_workers, decision.reason, outcome,
             )  # fmt: skip
         elif decision.action == "infeasible" and (
-            not self.applied or self.applied[-1].decision.action != "infeasible"
+            previous is None or previous.action != "infeasible"
         ):
-            self.applied.append(Applied(decision, self.mode, "reported"))
+            self.applied.append(Applied(decision, mode, "reported"))  # the first of a run
             log.warning("planner: %s", decision.reason)
         return decision
 
@@ -213,7 +223,10 @@ class PlannerLoop:
             if decision.action == "switch":
                 donor = "prefill" if have["prefill"] > want["prefill"] else "decode"
                 taker = "decode" if donor == "prefill" else "prefill"
-                for _ in range(have[donor] - want[donor]):
+                count = have[donor] - want[donor]
+                for done in range(count):
+                    if self.mode != "on":  # set to dry-run meanwhile: no more changes
+                        return f"stopped after {done} of {count} switches: mode {self.mode}"
                     await self.pools.switch_role(self.pools.least_busy(donor), taker)
             else:
                 if decision.action == "grow":

@@ -71,6 +71,9 @@ class PlannerConfig:
     # (Observation.worker_start_s).
     lead_s: float = 0.0
     decode_headroom_tokens: int = 0  # growth room a decode worker keeps per request (engine)
+    # Workers asked for and not serving yet hold further decisions while the SLO is met, for
+    # at most this long: a start that never lands (no node for it) must not stop a shrink.
+    start_wait_s: float = 300.0
     percentile: float = 99.0  # of TTFT and ITL, as the SLO states them
 
 
@@ -178,6 +181,7 @@ class Planner:
     _left: dict[tuple[int, int], float] = field(default_factory=dict)  # layout -> when left
     _previous: tuple[int, int] | None = None  # the layout the last action left
     _shrinkable_since: float | None = None
+    _starting_since: float | None = None  # since when some workers have been starting
     _capacities: dict[tuple[int, int, int, int], float] = field(default_factory=dict)
 
     def decide(self, obs: Observation) -> Decision:
@@ -185,8 +189,11 @@ class Planner:
         seen, obs = obs, self.ahead(obs)  # predictions are for the rate a new worker will meet
         now_layout = (obs.prefill_workers, obs.decode_workers)
         current = predict(self.model, cfg, obs, *now_layout)
-        violated = _over(obs.observed_ttft_s, cfg.ttft_slo_s) or _over(
-            obs.observed_itl_s, cfg.itl_slo_s
+        # Latency is observed as requests finish: with nothing arriving or waiting, a miss is
+        # the tail of a past peak, and nothing would serve more workers.
+        loaded = obs.arrival_rate > 0 or obs.queued_prefill_tokens > 0 or obs.waiting_for_room
+        violated = loaded and (
+            _over(obs.observed_ttft_s, cfg.ttft_slo_s) or _over(obs.observed_itl_s, cfg.itl_slo_s)
         )
         threatened = violated or not current.within(cfg)
         cooling = obs.at - self._last_action_at < cfg.cooldown_s
@@ -210,7 +217,12 @@ class Planner:
 
         if cooling:
             return decision("none", now_layout, "cooling down after the last action", current)
-        if obs.starting_workers and current.within(cfg):
+        if not obs.starting_workers:
+            self._starting_since = None
+        elif self._starting_since is None:
+            self._starting_since = obs.at
+        waited = 0.0 if self._starting_since is None else obs.at - self._starting_since
+        if obs.starting_workers and current.within(cfg) and waited < cfg.start_wait_s:
             reason = f"waiting for {obs.starting_workers} workers to start"
             return decision("none", now_layout, reason, current)
         total = sum(now_layout)
@@ -228,7 +240,7 @@ class Planner:
                     reason = f"{why}; no split of {total} workers meets it, {workers} do"
                     return decision("grow", grown[0], reason, grown[1])
             none_meets = f"no layout of up to {cfg.max_workers} workers meets it"
-            capped = cfg.max_workers
+            capped = max(cfg.max_workers, total)  # past the cap (set by hand): switches only
             layouts = (
                 self._splits(now_layout, capped)
                 if total >= capped

@@ -39,14 +39,21 @@ class WindowSummary(NamedTuple):
 
 class LoadWindow:
     def __init__(
-        self, span_s: float = 10.0, percentile: float = 99.0, trend_s: float = 120.0
+        self,
+        span_s: float = 10.0,
+        percentile: float = 99.0,
+        trend_s: float = 120.0,
+        opened_at: float | None = None,
     ) -> None:
+        """`opened_at`: when it began to watch (the server's start), on the clock of the times
+        it is given; None: as if it had watched a whole span before the first arrival."""
         self.span_s = span_s
         self.percentile = percentile
         self.trend_s = trend_s
         self.arrivals: deque[tuple[float, int]] = deque(maxlen=MAX_KEPT)
         self.done: deque[Finished] = deque(maxlen=MAX_KEPT)
-        self.started_at: float | None = None
+        self.opened_at = opened_at
+        self.started_at: float | None = None  # the first arrival
         self._buckets: dict[int, int] = {}  # bucket number -> arrivals, over `trend_s`
 
     def arrived(self, at: float, prompt_tokens: int) -> None:
@@ -65,8 +72,11 @@ class LoadWindow:
             self.arrivals.popleft()
         while self.done and self.done[0].at < since:
             self.done.popleft()
-        # A window younger than its span (the first seconds) divides by what it has seen.
-        seen = self.span_s if self.started_at is None else min(self.span_s, now - self.started_at)
+        # A window younger than its span (the first seconds) divides by how long it has
+        # watched: since it opened, not since the first arrival (one request a moment after a
+        # long quiet read as tens of requests a second).
+        opened = self.opened_at
+        seen = self.span_s if opened is None else min(self.span_s, now - opened)
         prompts = [tokens for _, tokens in self.arrivals]
         itls = [f.itl_s for f in self.done if f.itl_s is not None]
         return WindowSummary(

@@ -16,10 +16,12 @@ from simulation.cluster import Simulation
 class PlannerDriver:
     planner: Planner
     interval_s: float = 2.0
-    window: LoadWindow = field(default_factory=LoadWindow)  # the last 10 s
+    # the last 10 s, watched from the simulation's start
+    window: LoadWindow = field(default_factory=lambda: LoadWindow(opened_at=0.0))
     decisions: list[Decision] = field(default_factory=list)  # every action (not "none")
     layouts: list[tuple[float, int, int]] = field(default_factory=list)  # (time, P, D)
     _next_at: float = 0.0
+    _previous: str = "none"  # the last decision's action
 
     def __call__(self, sim: Simulation) -> None:
         if sim.now < self._next_at:
@@ -31,10 +33,9 @@ class PlannerDriver:
         if decision.action in ("switch", "grow", "shrink"):
             self.decisions.append(decision)
             self.apply(sim, decision)
-        elif decision.action == "infeasible" and (
-            not self.decisions or self.decisions[-1].action != "infeasible"
-        ):
-            self.decisions.append(decision)
+        elif decision.action == "infeasible" and self._previous != "infeasible":
+            self.decisions.append(decision)  # the first of each run of them
+        self._previous = decision.action
 
     def observe(self, sim: Simulation) -> Observation:
         while sim.sent:

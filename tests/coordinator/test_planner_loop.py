@@ -156,6 +156,62 @@ def test_an_infeasible_slo_grows_to_the_cap_once_and_no_further() -> None:
     assert [c[0] for c in pools.calls] == ["capacity", "scale"]
 
 
+def test_each_run_of_infeasible_reports_is_recorded() -> None:
+    """Infeasible, then a quiet spell, then infeasible again: the second spell was compared
+    with the last action recorded (the first report) and went unreported."""
+    pools = FakePools(2, 1)
+    loop = loaded_loop("on", pools, rate=40.0, max_workers=3)
+    assert asyncio.run(loop.tick()).action == "infeasible"
+    loop.clock_value[0] = 200.0  # the burst is out of the window: nothing arrives
+    assert asyncio.run(loop.tick()).action == "none"
+    loop.clock_value[0] = 300.0
+    for i in range(80):
+        loop.window.arrived(298.0 + i / 40, 6)
+    assert asyncio.run(loop.tick()).action == "infeasible"
+    assert asyncio.run(loop.tick()).action == "infeasible"
+    reports = [d for d in loop.status()["decisions"] if d["action"] == "infeasible"]
+    assert [d["at"] for d in reports] == [100.0, 300.0]
+
+
+class SlowPools(FakePools):
+    async def switch_role(self, worker_id: str, role: str) -> float:
+        await asyncio.sleep(0.05)
+        return await super().switch_role(worker_id, role)
+
+
+def test_a_mode_change_mid_action_stops_further_changes_and_is_recorded() -> None:
+    async def to_dry_run() -> tuple[PlannerLoop, SlowPools]:
+        pools = SlowPools(1, 3)  # a switch of two workers: prefill-bound at 4 workers
+        loop = loaded_loop("on", pools, rate=10.0, max_workers=4)
+        tick = asyncio.ensure_future(loop.tick())
+        await asyncio.sleep(0.01)
+        loop.set_mode("dry-run")  # while the first switch is under way
+        decision = await tick
+        assert decision.action == "switch" and decision.prefill_workers == 3
+        return loop, pools
+
+    loop, pools = asyncio.run(to_dry_run())
+    assert len(pools.calls) == 1  # the second switch was not made in dry-run
+    last = loop.applied[-1]
+    assert last.mode == "on" and last.outcome == "stopped after 1 of 2 switches: mode dry-run"
+
+    async def to_off() -> tuple[PlannerLoop, SlowPools]:
+        pools = SlowPools(1, 2)
+        loop = loaded_loop("on", pools, rate=5.0)
+        loop.settings = LoopSettings("on", interval_s=0.01, window_s=2.0)
+        loop.start()
+        await asyncio.sleep(0.03)  # its first tick is switching
+        loop.set_mode("off")
+        await asyncio.sleep(0.1)
+        return loop, pools
+
+    loop, pools = asyncio.run(to_off())
+    assert loop.counts["switch"] == 1
+    assert [a.outcome for a in loop.applied] == [
+        "cancelled: the planner stopped (a role switch under way completes)"
+    ]
+
+
 def test_a_failed_action_is_recorded_with_its_error() -> None:
     pools = FakePools(1, 2)
     pools.fail = PoolError("the decode pool would be empty")

@@ -168,6 +168,35 @@ def test_shrink_needs_margin_held_and_never_flaps_back():
     assert all(d.action in ("none", "shrink") for d in later)
 
 
+def test_latency_observed_after_traffic_stopped_grows_nothing():
+    """Requests of a past peak finish with nothing arriving or queued: their TTFT is over the
+    objective, but more workers would serve nobody (they grew the pools, which then could not
+    shrink back for the flap window)."""
+    planner = Planner(MODEL, CONFIG)
+    stale = obs(200.0, 1, 1, 0.0, observed_ttft_s=3.0, observed_itl_s=0.01)
+    assert planner.decide(stale).action == "none"
+    # the same miss with requests still arriving is acted on
+    live = obs(202.0, 1, 1, 0.2, observed_ttft_s=3.0, observed_itl_s=0.01)
+    assert Planner(MODEL, CONFIG).decide(live).action == "grow"
+
+
+def test_past_the_cap_an_overloaded_pool_is_never_grown_smaller():
+    """Six workers (scaled by hand) against a cap of four: the best layout "of the cap" was
+    four workers, labelled a grow, and drained two workers under overload."""
+    decision = Planner(MODEL, CONFIG).decide(obs(0.0, 1, 5, 12.0, prompt=900, output=16))
+    assert decision.prefill_workers + decision.decode_workers >= 6
+    assert decision.action in ("switch", "infeasible", "none")
+
+
+def test_a_start_that_never_lands_does_not_hold_a_shrink_for_good():
+    config = replace(CONFIG, start_wait_s=120.0)
+    planner = Planner(MODEL, config)
+    quiet = [planner.decide(obs(t, 2, 3, 0.0, starting_workers=1)) for t in range(0, 300, 2)]
+    first = next(d for d in quiet if d.action == "shrink")
+    assert first.at >= config.start_wait_s  # waited for the start first, then shrank
+    assert all(d.reason.startswith("waiting for 1 workers") for d in quiet if d.at < 120)
+
+
 def _sim(rate, duration, start=(1, 1), max_workers=4):
     ids = IdSpace()
 

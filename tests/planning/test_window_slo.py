@@ -28,10 +28,21 @@ def test_the_window_summarises_only_its_span() -> None:
 
 
 def test_a_young_window_divides_by_what_it_has_seen() -> None:
-    window = LoadWindow(span_s=10.0)
+    window = LoadWindow(span_s=10.0, opened_at=100.0)
     for i in range(6):
         window.arrived(100.0 + i / 3, 10)
     assert window.summary(102.0).arrival_rate == pytest.approx(3.0)
+
+
+def test_a_first_request_after_a_quiet_start_is_not_a_burst() -> None:
+    """The young window's age was taken from its first arrival: one request 20 ms before a
+    tick read as 50 req/s, and the planner grew the pools on it."""
+    window = LoadWindow(span_s=10.0, opened_at=0.0)  # the server started at 0
+    window.arrived(100.0, 6)
+    assert window.summary(100.02).arrival_rate == pytest.approx(0.1)
+    unopened = LoadWindow(span_s=10.0)  # no opening time: a whole span is assumed watched
+    unopened.arrived(100.0, 6)
+    assert unopened.summary(100.02).arrival_rate == pytest.approx(0.1)
 
 
 def test_the_trend_is_a_clear_slope_or_nothing() -> None:
