@@ -147,8 +147,11 @@ class Router:
         `hashes`: the prompt's `prefix_hashes`, when the caller has them already."""
         if hashes is None:
             hashes = prefix_hashes(token_ids, self.block_size)
-        decodes = _preferred(_open(self.decode, "decode"), avoid)
-        decodes = [w for w in decodes if not w.full] or decodes
+        # Room first, then preference: an avoided worker with room beats a full one (the other
+        # way round, a request could be sent back to a full worker again and again while
+        # `may_have_room` saw the avoided one's room).
+        decodes = _open(self.decode, "decode")
+        decodes = _preferred([w for w in decodes if not w.full] or decodes, avoid)
         prefills = _preferred([w for w in self.prefill.values() if w.accepting], avoid)
         if self.policy == "cost":
             return self._cheapest(len(token_ids), hashes, decodes, [] if local else prefills)

@@ -43,6 +43,18 @@ def test_decode_prefers_fewest_running() -> None:
     assert (first.decode_id, second.decode_id) == ("d0", "d1")
 
 
+def test_a_decode_worker_with_room_beats_a_full_one_even_if_avoided() -> None:
+    """The request had failed on d1 (a role switch took it there and back), and d0 had just
+    refused it: the route went to the full d0 while may_have_room() saw d1's room, so the
+    coordinator asked d0 again and again, tens of thousands of times a second."""
+    router = make_router()
+    router.refused("d0")
+    assert router.may_have_room()
+    assert router.route(PROMPT_A, avoid=frozenset({"d1"})).decode_id == "d1"
+    router.refused("d1")  # both full: the preference holds again
+    assert router.route(PROMPT_A, avoid=frozenset({"d1"})).decode_id == "d0"
+
+
 def test_decode_then_prefers_most_free_blocks() -> None:
     router = make_router()
     router.observe("d0", 10)
