@@ -44,7 +44,13 @@ from coordinator.update_server import UpdateServer
 from engine.outputs import RequestOutput, read_stream
 from engine.tokenizer import Tokenizer
 from planning.window import LoadWindow
-from protocol.errors import EngineDeadError, InvalidOutputError, PoolError, RequestFailedError
+from protocol.errors import (
+    EngineDeadError,
+    InvalidOutputError,
+    PoolError,
+    RequestFailedError,
+    TransferError,
+)
 from protocol.limits import ModelLimits
 from protocol.messages import PrefillResult, RequestFailed, WorkerUpdate, WorkRequest
 from protocol.sampling import SamplingParams
@@ -366,6 +372,8 @@ class Coordinator:
                 if self._closing:  # between attempts, shutdown's round of failures missed it
                     request.fail(EngineDeadError("the server is shutting down"))
                     return
+                if request.finish_at_length(self.max_model_len):
+                    return  # its last token came before the attempt was lost
                 log.warning("request %s lost (%s); retrying", work.request_id, request.lost_reason)
             request.fail(
                 EngineDeadError(f"request failed {MAX_ATTEMPTS} times: {request.lost_reason}")
@@ -382,6 +390,8 @@ class Coordinator:
         try:
             ticket = await self._place(request, work)
         except TimeoutError:
+            if request.route is not None:  # retried elsewhere when there is anywhere else
+                request.avoid.add(request.route.decode_id)
             request.lose("a decode worker did not answer in time")
             return
         route = request.route
@@ -410,7 +420,8 @@ class Coordinator:
                 return
             except Exception as err:
                 self._note_failure(prefill_id, err)
-                request.broken_channel = (route.decode_id, ticket.channel_key)
+                if isinstance(err, TransferError):  # its channel broke: the retry replaces it
+                    request.broken_channel = (route.decode_id, ticket.channel_key)
                 request.avoid.add(prefill_id)
                 request.lose(f"prefill on {prefill_id} failed: {_brief(err)}")
                 return
@@ -610,7 +621,15 @@ class Coordinator:
             else:
                 request.fail(update.error())
             return
-        if request.accept(update):  # a stop string ended it: stop the worker too
+        try:
+            hit = request.accept(update)
+        except Exception as err:  # this request's output broke here: it fails alone
+            # (raised out of here, it would end the whole update stream and with it the
+            # decode worker and every request on it)
+            log.exception("request %s: its update could not be processed", update.request_id)
+            request.fail(RequestFailedError(f"its output could not be processed: {_brief(err)}"))
+            hit = True  # stop it on the worker
+        if hit:  # a stop string ended it (or it failed here): stop the worker too
             self._stop_on(decode_id, update.request_id)
 
     def _stop_on(self, decode_id: str, request_id: str) -> None:

@@ -8,6 +8,7 @@ dropped, and tokens are never skipped.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 
 from coordinator.router import Route
@@ -181,9 +182,21 @@ class TrackedRequest:
             and len(self._held_ids) + num_new < self.stream_interval
         )
 
+    def finish_at_length(self, max_model_len: int) -> bool:
+        """Ends the request with finish reason "length" if its output already holds all it may
+        (max_tokens, or the model's context): a lost attempt whose prefill token was the last
+        allowed is not retried for one more. True if it ended so."""
+        room = min(self.params.max_tokens, max_model_len - len(self.prompt_ids))
+        if self.finished or self.failed or len(self.output_ids) < room:
+            return False
+        self._emit([], [], FinishReason.LENGTH, None, flush=True)
+        return True
+
     def fail(self, err: Exception) -> None:
         if self._held_ids and not self.finished:  # what was generated reaches the client first
-            self.abort_owed = self._emit([], [], None, None, flush=True)
+            # (unless its output is what broke: then only the error does)
+            with contextlib.suppress(Exception):
+                self.abort_owed = self._emit([], [], None, None, flush=True)
         self.failed = True
         self.stream.put_nowait(StreamFailed(err))
         self.ended.set()

@@ -24,11 +24,8 @@ import torch
 from torch.distributed import TCPStore
 
 from kvtransfer.names import TRANSPORT_NAMES
+from protocol.errors import TransferError as TransferError  # (imported from here too)
 from protocol.kv import Endpoint
-
-
-class TransferError(RuntimeError):
-    """A send or receive failed, timed out, or its peer went away."""
 
 
 class Pending(Protocol):

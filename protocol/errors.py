@@ -23,3 +23,9 @@ class PoolError(ValueError):
 
 class EngineDeadError(RuntimeError):
     """No worker can make progress on the request (its engine stopped, or every retry failed)."""
+
+
+class TransferError(RuntimeError):
+    """A KV send or receive failed, timed out, or its peer went away (kvtransfer/): the
+    channel it was on is broken. Here rather than in kvtransfer so that the coordinator, which
+    loads no transport, can tell a broken channel from any other failed prefill."""

@@ -13,8 +13,15 @@ from ray.exceptions import RayActorError
 
 import coordinator.coordinator as coordinator_module
 from coordinator.coordinator import MAX_ATTEMPTS, Coordinator, CoordinatorConfig
+from coordinator.request_state import TrackedRequest
 from engine.outputs import RequestOutput
-from protocol.errors import EngineDeadError, InvalidOutputError, RequestError
+from protocol.errors import (
+    EngineDeadError,
+    InvalidOutputError,
+    RequestError,
+    RequestFailedError,
+    TransferError,
+)
 from protocol.messages import WorkRequest
 from protocol.sampling import SamplingParams
 from tests.support.fake_workers import OUTPUT, FakeCluster, text_of
@@ -667,5 +674,92 @@ def test_a_reservation_asks_to_be_held_as_long_as_its_prefill_may_take() -> None
         assert err is None
         [(work, prefill_id, _key, _tp, lease_s)] = cluster.decode["decode-0"].calls["reserve"]
         assert lease_s == CONFIG.prefill_timeout(len(PROMPT)) and prefill_id == "prefill-0"
+
+    run(main())
+
+
+def test_a_decode_worker_too_slow_to_reserve_is_not_tried_again() -> None:
+    """Its reservation timed out and the retry went back to it (its load read 0 again), four
+    times, while the other decode worker idled: the client got an error."""
+
+    async def main() -> None:
+        cluster = FakeCluster(replace(CONFIG, call_timeout=0.2), num_decode=2)
+        cluster.decoder("decode-0").reserve_seconds = 10.0  # a long step; health answers fine
+        async with cluster.running() as coordinator:
+            outputs, err = await stream(coordinator, SamplingParams(max_tokens=3))
+        assert err is None
+        assert streamed_tokens(outputs) == OUTPUT[:3]
+        assert cluster.decode["decode-0"].ids("reserve") == ["req-0#1"]
+        assert cluster.decode["decode-1"].ids("reserve") == ["req-0#2"]
+
+    run(main())
+
+
+def test_a_prefill_timeout_keeps_the_kv_channel_and_a_transfer_error_replaces_it() -> None:
+    """Any failed prefill marked the pair's channel broken, and the retry's reservation made
+    the decode worker retire it: every other transfer on it failed with the one timeout."""
+
+    async def main(error: Exception | None) -> list[object]:
+        config = replace(CONFIG, prefill_base_timeout=0.05)
+        cluster = FakeCluster(config, num_prefill=1)
+        if error is None:
+            cluster.prefiller().hangs = {"req-0#1"}  # slow: a timeout, nothing wrong on the wire
+        else:
+            cluster.prefiller().failures = {"req-0#1": error}
+        async with cluster.running() as coordinator:
+            outputs, err = await stream(coordinator, SamplingParams(max_tokens=3))
+        assert err is None and streamed_tokens(outputs) == OUTPUT[:3]
+        return [call[2] for call in cluster.decode["decode-0"].calls["reserve"]]
+
+    timed_out = asyncio.run(asyncio.wait_for(main(None), TEST_TIMEOUT_S))
+    assert timed_out == [None, None]  # the retry reserves on the same, healthy channel
+    broke = asyncio.run(asyncio.wait_for(main(TransferError("peer gone")), TEST_TIMEOUT_S))
+    assert broke[0] is None and broke[1] is not None  # the retry asks for a new channel
+
+
+def test_a_lost_attempt_whose_last_token_arrived_is_not_retried_for_more() -> None:
+    """The prefill worker's token was the last max_tokens allowed; the decode worker lost the
+    attempt before reporting the finish. The retry sampled one more: the client got two
+    tokens for max_tokens=1."""
+
+    async def main() -> None:
+        cluster = FakeCluster(CONFIG, num_prefill=1, num_decode=1)
+        cluster.decoder().failures = {"req-0#1": 0}  # lost before it reports a token
+        async with cluster.running() as coordinator:
+            outputs, err = await stream(coordinator, SamplingParams(max_tokens=1))
+        assert err is None
+        assert streamed_tokens(outputs) == OUTPUT[:1]
+        assert outputs[-1].finished and outputs[-1].finish_reason == "length"
+        assert cluster.prefill["prefill-0"].ids("prefill") == ["req-0#1"]
+
+    run(main())
+
+
+def test_an_update_that_breaks_one_request_fails_it_alone(monkeypatch) -> None:
+    """An exception while folding one request's tokens in (its detokenizer, its stop strings)
+    ended the decode worker's whole update stream: the worker was reported dead and every
+    request on it was retried."""
+    accept = TrackedRequest.accept
+
+    def breaks_for_bad(self, update):
+        if self.request_id == "bad":
+            raise UnicodeDecodeError("utf-8", b"\xff", 0, 1, "invalid start byte")
+        return accept(self, update)
+
+    monkeypatch.setattr(TrackedRequest, "accept", breaks_for_bad)
+
+    async def main() -> None:
+        cluster = FakeCluster(CONFIG, num_prefill=1, num_decode=1)
+        async with cluster.running() as coordinator:
+            (good, good_err), (bad, bad_err) = await asyncio.gather(
+                stream(coordinator, SamplingParams(max_tokens=6), "good"),
+                stream(coordinator, SamplingParams(max_tokens=6), "bad"),
+            )
+            assert coordinator.router.is_alive("decode-0")
+        assert good_err is None and streamed_tokens(good) == OUTPUT[:6]
+        assert isinstance(bad_err, RequestFailedError)
+        assert "could not be processed" in str(bad_err)
+        assert "bad#1" in cluster.decode["decode-0"].ids("abort")
+        assert cluster.decode["decode-0"].ids("reserve") == ["good#1", "bad#1"]  # no retry
 
     run(main())
