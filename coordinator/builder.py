@@ -393,19 +393,26 @@ class WorkerSpawner:
         options = self._options(None if pool == "colocated" else pool)
         placement = self._place_ranks(worker_id, engine.tensor_parallel_size, options)
         role = "prefill" if pool == "prefill" else "decode"
-        handle = (
-            ray.remote(WorkerActor)
-            .options(**options)
-            .remote(
-                *args,
-                self.threads[pool],
-                role,
-                verify_kv=self.deploy.kv_checksum,
-                kv_fault=self.deploy.kv_fault,
-                placement=placement,
-                core_share=self.core_share,
+        try:
+            handle = (
+                ray.remote(WorkerActor)
+                .options(**options)
+                .remote(
+                    *args,
+                    self.threads[pool],
+                    role,
+                    verify_kv=self.deploy.kv_checksum,
+                    kv_fault=self.deploy.kv_fault,
+                    placement=placement,
+                    core_share=self.core_share,
+                )
             )
-        )
+        except BaseException:
+            # No worker id reaches the supervisor, so nothing would ever release the group:
+            # each retried start would hold one more set of bundles for good.
+            self.release(worker_id)
+            self.worker_ranks.pop(worker_id, None)
+            raise
         return worker_id, handle
 
     def _place_ranks(

@@ -49,6 +49,7 @@ from protocol.errors import (
     InvalidOutputError,
     PoolError,
     RequestFailedError,
+    RoleSwitchError,
     TransferError,
 )
 from protocol.limits import ModelLimits
@@ -251,6 +252,8 @@ class Coordinator:
         """KeyError for an unknown worker; PoolError for the last serving worker of a pool
         that needs one (decode, colocated)."""
         entry = self.supervisor.workers[worker_id]
+        if entry.state is WorkerState.STARTING:  # loading, or switching roles: nothing to drain
+            raise PoolError(f"worker {worker_id} is {entry.state.value}, not serving")
         if entry.pool != "prefill" and len(self.supervisor.serving(entry.pool)) < 2:
             raise PoolError(f"the {entry.pool} pool would have no worker left")
         self.supervisor.drain(worker_id)
@@ -271,35 +274,40 @@ class Coordinator:
         if entry.pool == "decode" and len(self.supervisor.serving("decode")) < 2:
             raise PoolError("the decode pool would be empty")
         started = time.monotonic()
-        self.supervisor.begin_switch(worker_id)
-        self._worker_left(entry, "switching role")
+        old_pool = entry.pool
+        self._worker_left(entry, "switching role")  # (reads its old pool)
+        self.supervisor.begin_switch(worker_id, role)
         self._unfollow(worker_id)
         # Begun, the switch ends one way or the other even if its caller is cancelled (the
         # planner's tick, when its mode changes): stopped half-way, the worker would sit out of
         # routing and probes, counted live, and its pool would stay one short for good.
-        await asyncio.shield(self._background(self._finish_switch(entry, role)))
+        await asyncio.shield(self._background(self._finish_switch(entry, role, old_pool)))
         return time.monotonic() - started
 
-    async def _finish_switch(self, entry: WorkerEntry, role: str) -> None:
+    async def _finish_switch(self, entry: WorkerEntry, role: str, old_pool: str) -> None:
         try:
             await self._call(entry.handle.set_role, role)
         except Exception as err:
             self.supervisor.report_dead(entry.worker_id, f"role switch failed: {_brief(err)}")
-            raise
+            raise RoleSwitchError(f"worker {entry.worker_id}: {_brief(err)}") from err
         finally:  # its old role's handle (`_worker_left` kept it while the switch ran) goes,
             # whether the switch failed (the worker, retired, was not serving: nothing else
             # drops it) or not
-            (self.prefill if entry.pool == "prefill" else self.decode).pop(entry.worker_id, None)
+            (self.prefill if old_pool == "prefill" else self.decode).pop(entry.worker_id, None)
         self.router.remove(entry.worker_id)
-        self.supervisor.end_switch(entry.worker_id, role)
+        if self.supervisor.workers.get(entry.worker_id) is not entry:
+            return  # retired meanwhile (its process died): a replacement is on its way
+        self.supervisor.end_switch(entry.worker_id)
         self._worker_joined(entry, self.max_model_len)
 
     # -- what the planner sees and does (coordinator/planner_loop.PoolControl) ---------------
 
     def layout(self) -> dict[str, tuple[int, int]]:
+        """Per pool: (serving, on the way: starting or switching into it)."""
+        sup = self.supervisor
         return {
-            pool: (len(self.supervisor.serving(pool)), record.starting)
-            for pool, record in self.supervisor.pools.items()
+            pool: (len(sup.serving(pool)), record.starting + sup.switching(pool))
+            for pool, record in sup.pools.items()
         }
 
     def queued_prefill_tokens(self) -> int:

@@ -94,6 +94,7 @@ class Supervisor:
         self.release = release
         self.workers: dict[str, WorkerEntry] = {}
         self.pools: dict[str, _PoolRecord] = {}
+        self._switching: set[str] = set()  # workers between begin_switch and end_switch
         self._tasks: set[asyncio.Task] = set()
         self._closed = False
         self.last_start_s: float | None = None  # spawn -> answering, of the newest worker
@@ -178,6 +179,8 @@ class Supervisor:
             problem = f"no health answer within {self.config.probe_timeout:g}s"
         except Exception as err:  # an answer we cannot read is as bad as none
             problem = f"health check failed: {type(err).__name__}"
+        if entry.state not in (WorkerState.SERVING, WorkerState.DRAINING):
+            return  # it began a role switch (or left) while the probe was out: not its verdict
         if problem is None:
             entry.probe_failures, entry.last_problem = 0, None
             return
@@ -198,6 +201,7 @@ class Supervisor:
         entry = self.workers.get(worker_id)
         if entry is None or entry.state is WorkerState.DEAD:
             return
+        self._switching.discard(worker_id)
         was_serving = entry.state in (WorkerState.SERVING, WorkerState.DRAINING)
         entry.state = WorkerState.DEAD
         if replace:
@@ -211,15 +215,27 @@ class Supervisor:
         # A drained worker's pool was made smaller when it began draining: nothing to refill.
         self._fill(entry.pool, replacing=replace)
 
-    def begin_switch(self, worker_id: str) -> None:
-        """The worker changes roles: out of probes and routing until end_switch."""
-        self.workers[worker_id].state = WorkerState.STARTING
-
-    def end_switch(self, worker_id: str, role: str) -> None:
+    def begin_switch(self, worker_id: str, role: str) -> None:
+        """The worker changes roles: out of probes and routing until end_switch, and counted in
+        its new pool (its target included) from now on, so a pool resized meanwhile is sized
+        with it where it will be. (Moved at the end instead, a decode pool scaled to 1 while
+        its second worker switched away ended with a target of 0 and one worker, never
+        replaced when that one died.)"""
         entry = self.workers[worker_id]
         self.pools[entry.pool].target -= 1
         self.pools.setdefault(role, _PoolRecord(target=0)).target += 1
-        entry.pool, entry.state, entry.probe_failures = role, WorkerState.SERVING, 0
+        entry.pool, entry.state = role, WorkerState.STARTING
+        self._switching.add(worker_id)
+
+    def end_switch(self, worker_id: str) -> None:
+        self._switching.discard(worker_id)
+        entry = self.workers.get(worker_id)
+        if entry is not None:  # (not retired meanwhile)
+            entry.state, entry.probe_failures = WorkerState.SERVING, 0
+
+    def switching(self, pool: str) -> int:
+        """Workers on their way into `pool` by a role switch."""
+        return sum(1 for w in self._switching if self.workers[w].pool == pool)
 
     def drain(self, worker_id: str) -> WorkerEntry:
         """Stops routing new requests to the worker; it leaves once nothing relies on it, and

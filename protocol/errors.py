@@ -21,6 +21,11 @@ class PoolError(ValueError):
     """A pool change this backend cannot make (its pools are fixed, or the size is invalid)."""
 
 
+class RoleSwitchError(RuntimeError):
+    """A worker's role switch failed on the worker (it is retired and replaced): the pools are
+    not as asked."""
+
+
 class EngineDeadError(RuntimeError):
     """No worker can make progress on the request (its engine stopped, or every retry failed)."""
 

@@ -21,7 +21,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from coordinator.api.context import ServerContext, context_of
 from coordinator.api.errors import ApiError, invalid
 from coordinator.planner_loop import PlannerLoop
-from protocol.errors import PoolError
+from protocol.errors import PoolError, RoleSwitchError
 
 router = APIRouter(prefix="/admin")
 
@@ -85,6 +85,8 @@ async def switch_role(worker_id: str, body: RoleChange, request: Request) -> JSO
         raise ApiError(404, f"no worker {worker_id!r}", code="worker_not_found") from None
     except PoolError as err:
         raise invalid(str(err)) from err
+    except RoleSwitchError as err:  # the worker failed to switch: retired, a replacement comes
+        raise ApiError(503, f"role switch failed: {err}", code="role_switch_failed") from None
     return JSONResponse({**_view(ctx), "switch_seconds": seconds})
 
 

@@ -198,3 +198,37 @@ def test_a_kv_budget_without_room_for_one_block_is_refused_before_ray(tiny_llama
         check_kv_budget(small, DeployConfig(), model)
     check_kv_budget(replace(small, kv_cache_memory_bytes=1 << 20), DeployConfig(), model)
     check_kv_budget(replace(small, num_kv_blocks=8), DeployConfig(), model)  # blocks, not bytes
+
+
+def test_a_worker_ray_refuses_to_create_leaves_no_placement_group(monkeypatch) -> None:
+    """A tensor-parallel worker's placement group is made before its actor; when Ray refused
+    the actor (the failed start the supervisor retries), no worker id reached the supervisor,
+    nothing released the group, and each retry held one more set of bundles for good."""
+    import coordinator.builder as builder
+
+    monkeypatch.setattr(ray, "cluster_resources", lambda: {"CPU": 8.0})
+    made, removed = [], []
+    monkeypatch.setattr(
+        builder, "placement_group", lambda bundles, strategy: made.append(object()) or made[-1]
+    )
+    monkeypatch.setattr(builder, "remove_placement_group", removed.append)
+    monkeypatch.setattr(
+        builder,
+        "PlacementGroupSchedulingStrategy",
+        lambda group, placement_group_bundle_index: group,
+    )
+
+    class Refused:
+        def options(self, **options):
+            return self
+
+        def remote(self, *args, **kwargs):
+            raise RuntimeError("the GCS refused the actor")
+
+    monkeypatch.setattr(ray, "remote", lambda cls: Refused())
+    spawner = WorkerSpawner(EngineConfig(model="unused"), DeployConfig(decode_tp=2))
+    for _ in range(3):
+        with pytest.raises(RuntimeError, match="refused"):
+            spawner.spawn("decode")
+    assert len(made) == 3 and removed == made
+    assert spawner._groups == {} and spawner.worker_ranks == {}

@@ -331,8 +331,9 @@ def test_a_role_switch_whose_caller_is_cancelled_still_ends(killed) -> None:
             switch.cancel()
             with pytest.raises(asyncio.CancelledError):
                 await switch
-            await until(lambda: coordinator.supervisor.workers["decode-0"].pool == "prefill")
-            assert coordinator.supervisor.workers["decode-0"].state.value == "serving"
+            worker = coordinator.supervisor.workers["decode-0"]
+            assert worker.pool == "prefill"  # counted in its new pool from the switch's start
+            await until(lambda: worker.state.value == "serving")
             assert coordinator.router.is_alive("decode-0")
             assert await tokens_of(coordinator, "after") == OUTPUT[:8]
 
@@ -502,5 +503,62 @@ def test_a_request_whose_prefill_worker_switched_roles_meanwhile_is_retried(kill
             [request] = coordinator._requests.values()
             await coordinator.switch_role(request.route.prefill_id, "decode")
             assert await task == OUTPUT[:8]
+
+    run(main())
+
+
+def test_a_pool_resized_while_a_worker_switches_out_keeps_its_size(killed) -> None:
+    """decode-1 switches to prefill; meanwhile the decode pool is scaled to 1. The switch's
+    end took one more off the decode target: 0, with decode-0 serving, and when decode-0 died
+    nothing replaced it (and /ready still said all was well)."""
+
+    async def main() -> None:
+        cluster = FakeCluster(CONFIG, num_prefill=1, num_decode=2, spawn=True)
+        cluster.decode["decode-1"].set_role_seconds = 0.2
+        async with cluster.running() as coordinator:
+            switch = asyncio.ensure_future(coordinator.switch_role("decode-1", "prefill"))
+            await asyncio.sleep(0.05)
+            assert coordinator.layout() == {"prefill": (1, 1), "decode": (1, 0)}  # on its way
+            with pytest.raises(PoolError, match="starting, not serving"):
+                coordinator.drain("decode-1")  # nothing to drain while it switches
+            coordinator.scale({"decode": 1, "prefill": 2})  # what the pools hold by then
+            await switch
+            pools = coordinator.supervisor.pools
+            assert {pool: record.target for pool, record in pools.items()} == {
+                "prefill": 2,
+                "decode": 1,
+            }
+            assert cluster.spawned == []  # nothing extra started
+            cluster.decode["decode-0"].dead = True
+            serving = coordinator.supervisor.serving
+            await until(lambda: [w.worker_id for w in serving("decode")] == ["decode-new0"])
+            assert await tokens_of(coordinator, "after") == OUTPUT[:8]
+
+    run(main())
+
+
+def test_a_probe_out_when_a_switch_begins_does_not_retire_the_worker(killed) -> None:
+    """One missed probe, the next one out, then the switch: the probe's miss retired (killed)
+    the worker mid-switch, and switch_role raised KeyError (a 404 "no worker" over HTTP)."""
+
+    async def main() -> None:
+        cluster = FakeCluster(
+            replace(CONFIG, supervision=replace(SUPERVISION, probe_timeout=0.1)),
+            num_prefill=1,
+            num_decode=2,
+            spawn=True,
+        )
+        handle = cluster.decode["decode-1"]
+        handle.set_role_seconds = 0.3
+        async with cluster.running() as coordinator:
+            actor = cluster.decoder("decode-1")
+            actor.frozen = True  # one slow health answer
+            await until(lambda: coordinator.supervisor.workers["decode-1"].probe_failures == 1)
+            probes = len(handle.calls["health"])
+            await until(lambda: len(handle.calls["health"]) > probes)  # the next one is out
+            actor.frozen = False
+            await coordinator.switch_role("decode-1", "prefill")
+            assert handle not in killed
+            assert coordinator.supervisor.workers["decode-1"].pool == "prefill"
 
     run(main())

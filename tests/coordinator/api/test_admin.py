@@ -132,6 +132,21 @@ def test_role_switch_over_http(cluster) -> None:
     assert missing.status_code == 404
 
 
+def test_a_role_switch_the_worker_fails_is_a_503_not_a_500(cluster) -> None:
+    fakes, http = cluster
+    http.post("/admin/pools", json={"prefill": 2}, headers=AUTH)
+    assert wait_until(lambda: len(serving(http, "prefill")) == 2, timeout=5)
+
+    def cannot(role: str, worker_id: str):
+        raise RuntimeError("no memory for the new role")
+
+    fakes.prefill["prefill-new0"].make_role = cannot
+    reply = http.post("/admin/workers/prefill-new0/role", json={"role": "decode"}, headers=AUTH)
+    assert reply.status_code == 503, reply.text
+    error = reply.json()["error"]
+    assert error["code"] == "role_switch_failed" and "no memory" in error["message"]
+
+
 def test_telemetry_shows_each_workers_reported_steps(cluster) -> None:
     fakes, http = cluster
     records = [StepRecord(1.0 + i, 0.01, 0, 0, 4, 40 + 4 * i, 10, 0) for i in range(3)]
