@@ -79,6 +79,13 @@ class Tokenizer:
         )
         if reserved:
             raise TokenizerError(f"chat template options may not set {', '.join(sorted(reserved))}")
+        if not self._template_knows_developer:
+            # OpenAI's "developer" is the system role's newer name; a template that does not
+            # name it would render it as an unknown turn (SmolLM2's: its own default system
+            # prompt, then a "developer" turn).
+            messages = [
+                {**m, "role": "system"} if m.get("role") == "developer" else m for m in messages
+            ]
         try:
             return self.hf.apply_chat_template(
                 messages,
@@ -89,6 +96,12 @@ class Tokenizer:
             )
         except Exception as err:  # the template itself raises on messages it rejects
             raise TokenizerError(f"chat template rejected the messages: {err}") from err
+
+    @functools.cached_property
+    def _template_knows_developer(self) -> bool:
+        template = self.hf.chat_template
+        texts = template.values() if isinstance(template, dict) else [template or ""]
+        return any("developer" in text for text in texts)
 
     @functools.cached_property
     def _template_arguments(self) -> frozenset[str]:

@@ -48,6 +48,9 @@ STRUCTURE_KINDS = ("json_object", "json_schema", "regex")  # engine/structured.p
 MAX_STRUCTURE_CHARS = 64 * 1024
 MAX_SCHEMA_DEPTH = 64  # nested JSON objects and arrays in a schema
 MAX_LOGIT_BIAS = 1024  # tokens one request may bias (each is a write into its logits per step)
+# distinct stop token ids one request may name: each step tests the sampled token against them,
+# and while under min_tokens builds the set of tokens to block from them
+MAX_STOP_TOKEN_IDS = 1024
 
 
 @dataclass(frozen=True)
@@ -81,7 +84,7 @@ class SamplingParams:
         if isinstance(self.stop, str):
             object.__setattr__(self, "stop", (self.stop,))
         object.__setattr__(self, "stop", tuple(self.stop))
-        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        object.__setattr__(self, "stop_token_ids", tuple(dict.fromkeys(self.stop_token_ids)))
         bias = self.logit_bias.items() if isinstance(self.logit_bias, dict) else self.logit_bias
         object.__setattr__(self, "logit_bias", tuple(sorted((int(t), float(b)) for t, b in bias)))
         _check(self.max_tokens >= 1, "max_tokens", "must be at least 1")
@@ -102,6 +105,11 @@ class SamplingParams:
         # (each is searched for in the new text of every token, on the serving event loop)
         _check(
             len(self.stop) <= MAX_STOP_STRINGS, "stop", f"takes at most {MAX_STOP_STRINGS} strings"
+        )
+        _check(
+            len(self.stop_token_ids) <= MAX_STOP_TOKEN_IDS,
+            "stop_token_ids",
+            f"takes at most {MAX_STOP_TOKEN_IDS} distinct ids",
         )
         _check(self.logprobs is None or 0 <= self.logprobs <= 20, "logprobs", "must be in [0, 20]")
         _check(

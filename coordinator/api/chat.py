@@ -149,6 +149,7 @@ def _tool_call_choice(
     first: int,
     out: RequestOutput,
     finish_reason: str = "tool_calls",
+    logprobs: ChatLogprobs | None = None,
 ) -> ChatChunkChoice:
     """A chunk choice carrying complete calls; `first`: the first one's place in the reply;
     `finish_reason`: the choice's, if these are its last."""
@@ -165,6 +166,7 @@ def _tool_call_choice(
     return ChatChunkChoice(
         index=index,
         delta=delta,
+        logprobs=logprobs,
         finish_reason=finish_reason if out.finished else None,
         stop_reason=out.stop_reason if out.finished else None,
     )
@@ -200,16 +202,20 @@ async def _chunks(
         if forced:  # the calls go whole, once the reply is complete
             if out.finished:
                 content, calls, finish_reason = _forced_calls(body, out)
+                every = None  # every token's logprobs in the one chunk: the reply goes whole
+                if body.logprobs:
+                    every = chat_logprobs(ctx.token_texts, *all_logprobs(out))
                 if content is not None:  # no calls after all (cut short): the text
                     choice = ChatChunkChoice(
                         index=index,
                         delta=Delta(content=content),
+                        logprobs=every,
                         finish_reason=finish_reason,
                         stop_reason=out.stop_reason,
                     )
                     yield chunk([choice])
                 else:
-                    yield chunk([_tool_call_choice(index, calls, 0, out, finish_reason)])
+                    yield chunk([_tool_call_choice(index, calls, 0, out, finish_reason, every)])
             continue
         text, calls = out.delta_text, []
         parser = parsers.get(index)

@@ -41,7 +41,7 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
     arrival = time.monotonic()
     ctx = context_of(request)
     ctx.check_model(body.model)
-    prompts = completion_prompts(ctx.client.tokenizer, body.prompt)
+    prompts = completion_prompts(ctx.client.tokenizer, body.prompt, ctx.settings.max_prompts)
     # max_tokens 0 scores the prompt and generates nothing: the engine makes one token, dropped
     max_tokens = 1 if body.prompt_only else body.max_tokens
     params = [build_params(ctx.client, body, p, max_tokens, body.logprobs, {}) for p in prompts]

@@ -21,6 +21,7 @@ from pydantic import BaseModel
 
 from coordinator.api.context import ServerContext
 from coordinator.api.errors import ApiError, invalid
+from coordinator.api.prompts import check_prompt_count
 from coordinator.api.responses import PromptTokensDetails, Usage
 from coordinator.api.sse import EventStream
 from coordinator.api.streams import closing, fan_in
@@ -61,12 +62,7 @@ def plan_job(
     """`params` has one entry per prompt (their max_tokens may differ). Refuses a request
     that fans out past the server's caps."""
     settings = ctx.settings
-    if len(prompts) > settings.max_prompts:
-        raise invalid(
-            f"the request holds {len(prompts)} prompts; this server takes at most "
-            f"{settings.max_prompts} per request",
-            param="prompt",
-        )
+    check_prompt_count(len(prompts), settings.max_prompts)
     if n > settings.max_n:
         raise invalid(f"n must be at most {settings.max_n}", param="n")
     request_id = f"{kind}-{uuid.uuid4().hex}"

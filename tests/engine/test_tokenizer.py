@@ -58,6 +58,27 @@ def test_chat_template_is_rendered_like_transformers(tokenizer) -> None:
     assert tokenizer.render_chat(messages).endswith("<|im_start|>assistant\n")
 
 
+def test_a_developer_message_is_a_system_message_to_a_template_that_does_not_name_it(
+    tokenizer, monkeypatch
+) -> None:
+    """OpenAI's "developer" is the system role's newer name; rendered as it came, a template
+    that only knows "system" wrote its own default system prompt and then a "developer" turn."""
+    developer = [
+        {"role": "developer", "content": "Answer in French."},
+        {"role": "user", "content": "hi"},
+    ]
+    system = [{**developer[0], "role": "system"}, developer[1]]
+    assert "developer" not in tokenizer.hf.chat_template
+    assert tokenizer.render_chat(developer) == tokenizer.render_chat(system)
+    knows = tokenizer.hf.chat_template + "{# renders developer turns as they come #}"
+    aware = Tokenizer.__new__(Tokenizer)
+    aware.__dict__.update(tokenizer.__dict__)
+    aware.__dict__.pop("_template_knows_developer", None)
+    monkeypatch.setattr(tokenizer.hf, "chat_template", knows)
+    assert aware._template_knows_developer  # a template that names it gets it as sent
+    assert "developer" in aware.render_chat(developer)
+
+
 def _deltas(tokenizer, prompt, ids, groups, python_window: bool, monkeypatch) -> list[str]:
     with monkeypatch.context() as patch:
         if python_window:

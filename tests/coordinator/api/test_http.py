@@ -565,6 +565,13 @@ def test_tool_choice_required_makes_calls_to_the_tools_with_arguments_that_fit(h
     assert [c["function"] for c in streamed] == [
         c["function"] for c in choice["message"]["tool_calls"]
     ]
+    # with logprobs: the streamed reply, sent whole, carries every token's (it carried none)
+    scored = {**body, "logprobs": True}
+    whole = http.post("/v1/chat/completions", json=scored).json()["choices"][0]["logprobs"]
+    with http.stream("POST", "/v1/chat/completions", json={**scored, "stream": True}) as response:
+        chunks = [json.loads(d) for d in events(response)[:-1]]
+    [last] = [c["choices"][0] for c in chunks if c["choices"][0]["delta"].get("tool_calls")]
+    assert whole["content"] and last["logprobs"]["content"] == whole["content"]
     one = http.post("/v1/chat/completions", json={**body, "parallel_tool_calls": False}).json()
     [call] = one["choices"][0]["message"]["tool_calls"]
     check([call])

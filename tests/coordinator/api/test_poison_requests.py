@@ -6,6 +6,7 @@ thread fails by itself while the requests batched with it finish."""
 from __future__ import annotations
 
 import asyncio
+import time
 
 import httpx
 import pytest
@@ -65,6 +66,15 @@ def poison_cases(vocab: int) -> list[tuple[str, dict, int, str | None]]:
         ("completions", {**completion, "temperature": 0.7, "top_k": 2**63}, 200, None),
         ("chat/completions", {**chat, "temperature": 0.7, "top_k": 10**30}, 200, None),
         ("completions", {**completion, "temperature": 0.7, "top_k": -1}, 200, None),
+        # distinct stop token ids are capped (each step tests the token against them); the
+        # same id repeated is one
+        ("completions", {**completion, "stop_token_ids": list(range(1025))}, 400,
+         "stop_token_ids"),
+        ("completions", {**completion, "min_tokens": 2, "stop_token_ids": [7] * 100_000}, 200,
+         None),
+        # chat's names in chat's messages, not the engine's
+        ("chat/completions", {"messages": chat["messages"], "max_completion_tokens": 0}, 400,
+         "max_completion_tokens"),
     ]  # fmt: skip
 
 
@@ -78,11 +88,22 @@ def test_poison_requests_fail_alone(http, client) -> None:
         if status == 400:
             error = response.json()["error"]
             assert error["param"] == param, (body, error)
+            assert param in error["message"], (body, error)  # named as the request names it
             assert error["type"] == "invalid_request_error"
         after = http.post("/v1/completions", json=GREEDY)
         assert after.status_code == 200, (body, after.text)
         assert after.json()["choices"][0]["text"] == before.json()["choices"][0]["text"]
     assert http.get("/ready").status_code == 200
+
+
+def test_too_many_prompts_are_refused_before_any_is_tokenized(http) -> None:
+    """300,000 one-word prompts were tokenized (and given sampling parameters) before their
+    count was checked: 12 s of the event loop, every stream on the server held meanwhile."""
+    started = time.monotonic()
+    reply = http.post("/v1/completions", json={"prompt": ["a"] * 300_000, "max_tokens": 3})
+    assert reply.status_code == 400 and reply.json()["error"]["param"] == "prompt"
+    assert "300000 prompts" in reply.json()["error"]["message"]
+    assert time.monotonic() - started < 3.0
 
 
 def test_sampling_fault_fails_only_its_request(tiny_llama, monkeypatch) -> None:
