@@ -258,7 +258,11 @@ class PrefillWorker:
         followers: list[list] = []
         for chunk in plan.chunks:
             pending = self._pending.get(chunk.seq.request_id)
-            if pending is None or pending.sent_upto >= chunk.end:
+            if pending is None:
+                continue
+            if pending.sent_upto >= chunk.end:  # its decode worker holds all of it already
+                if chunk.samples:  # the follower ranks still end their legs (done frames)
+                    followers.append([pending.ticket, chunk.end, [], True])
                 continue
             start = pending.sent_upto
             slots = slots_of(chunk.seq.block_table, start, chunk.end, bs)

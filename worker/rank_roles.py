@@ -90,7 +90,8 @@ class RankRoles:
             forward(None)
             return
         entries = [(Ticket.from_wire(t), start, slots, last) for t, start, slots, last in extra]
-        chunks = [StepChunk(ticket, start, slots) for ticket, start, slots, _ in entries]
+        # (an entry without slots sends nothing, only ends its legs below)
+        chunks = [StepChunk(ticket, start, slots) for ticket, start, slots, _ in entries if slots]
         shard, sender = self.runner.shard, self.sender
         legs = announce(
             sender,

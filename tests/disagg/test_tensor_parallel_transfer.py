@@ -127,6 +127,28 @@ def test_different_block_sizes_re_block_on_the_decode_side(tiny_llama, expected)
         stop(prefill, decode)
 
 
+def test_a_prompt_the_decode_worker_holds_whole_still_ends_every_ranks_legs(tiny_llama):
+    """A block-aligned prompt seen before: the decode worker's prefix cache holds all of it,
+    so no rank sends KV. The follower prefill rank sent its leg's done frame only for a chunk
+    it was told to send, and was told nothing: the decode side waited out the lease and the
+    request failed ("KV did not arrive")."""
+    prompt = list(range(10, 26))  # 16 tokens: 4 full blocks of 4
+    llm = LLM(tiny_llama, dtype="float32", block_size=4)
+    [want] = [out.token_ids for out in llm.generate_ids([prompt], GREEDY)]
+    prefill, decode = start(tiny_llama, 2, 1)
+    try:
+        for name in ("first", "again"):
+            started = time.monotonic()
+            tokens, failed, [ticket], _ = run(
+                prefill, decode, [WorkRequest(name, prompt, GREEDY)], 2
+            )
+            assert not failed and tokens[name] == want
+            assert time.monotonic() - started < 10.0  # not a lease (20 s) waited out
+        assert ticket.num_cached_tokens == ticket.num_tokens == 16  # the second: all cached
+    finally:
+        stop(prefill, decode)
+
+
 def test_a_decode_rank_killed_mid_transfer_fails_its_requests_and_frees_blocks(tiny_llama):
     prefill, decode = start(tiny_llama, 2, 2)
     try:
