@@ -115,6 +115,12 @@ def test_bf16_linear_is_bit_identical_to_onednn_where_it_is_used(n: int, k: int)
 def test_bf16_rows_do_not_depend_on_their_batch(n: int, k: int) -> None:
     layer = linear(n, k, bias=False, seed=6)
     packed = PackedLinear(layer, None, bf16)
+    if amx is not None and packed.bf16 is None:  # (a Sapphire Rapids VM)
+        pytest.skip(
+            "with AMX, oneDNN sums in tiles whose order bf16_linear does not reproduce, so these "
+            "shapes stay on oneDNN; the engine takes amx_linear there, whose rows are checked by "
+            "test_amx_rows_do_not_depend_on_their_batch"
+        )
     assert packed.bf16 is not None
     # emulated, a prefill-sized batch takes the kernel too, 16 rows at a time
     rows = SMALL_MAX_ROWS if packed.bf16_rows == SMALL_MAX_ROWS else 2 * SMALL_MAX_ROWS + 5
