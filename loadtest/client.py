@@ -95,6 +95,8 @@ async def send_request(
     stream = _Stream(sent_at=time.perf_counter())
     try:
         error = await asyncio.wait_for(_post(client, target, payload, stream), timeout_s)
+    except aiohttp.ConnectionTimeoutError:  # (an asyncio.TimeoutError too: caught first)
+        error = f"cannot connect to {target.url} within {CONNECT_TIMEOUT_S:g} s"
     except asyncio.TimeoutError:
         error = f"timed out after {timeout_s:g} s"
     except aiohttp.ClientConnectorError as err:
@@ -186,6 +188,6 @@ class _Stream(TextTiming):
             self.output_tokens = event.completion_tokens
         if event.prompt_tokens is not None:
             self.prompt_tokens = event.prompt_tokens
-        if event.text:
+        if event.timed:
             self.on_text(event.text, now)
         return event.error

@@ -7,7 +7,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from loadtest.errors import BenchError
-from loadtest.results import Record, load_record, request_rows
+from loadtest.results import Record, has_requests, load_record, request_rows
 
 ROWS = (
     ("completed", "successful requests"),
@@ -66,14 +66,14 @@ def _cell(value: object, base: object, is_base: bool) -> str:
 def plot_comparison(labelled: Mapping[str, Record], out_dir: Path) -> list[Path]:
     from loadtest.plots import plot_bars, plot_latency_cdfs  # matplotlib takes a second to import
 
-    series = {
-        label: [r for r in request_rows(rec) if not r.error] for label, rec in labelled.items()
+    series = {  # (a record without per-request lists has bars only)
+        label: [r for r in request_rows(rec) if not r.error]
+        for label, rec in labelled.items()
+        if has_requests(rec)
     }
     bars = {
         key: {label: float(rec.get(key) or 0.0) for label, rec in labelled.items()}
         for key in BAR_METRICS
     }
-    return [
-        plot_latency_cdfs(series, out_dir / "compare_latency_cdf.png"),
-        plot_bars(bars, out_dir / "compare_summary.png"),
-    ]
+    plots = [plot_latency_cdfs(series, out_dir / "compare_latency_cdf.png")] if series else []
+    return [*plots, plot_bars(bars, out_dir / "compare_summary.png")]

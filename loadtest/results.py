@@ -19,7 +19,9 @@ from loadtest.metrics import BenchmarkMetrics, Distribution, output_len
 from loadtest.runner import RunOutcome
 from planning.slo import percentile_key
 
-REQUIRED_KEYS = ("duration", "completed", "ttfts", "itls", "output_lens", "errors")
+REQUIRED_KEYS = ("duration", "completed")  # what the comparison table reads
+# vLLM writes these only with --save-detailed: without them a record has no per-request plots
+PER_REQUEST_KEYS = ("ttfts", "itls", "output_lens", "errors")
 
 Record = dict[str, Any]  # one run's result, as saved to JSON
 
@@ -93,10 +95,21 @@ def _or_zero(seconds: float | None) -> float:
     return 0.0 if seconds is None else seconds  # vLLM writes 0 for a request that never got a token
 
 
+def has_requests(record: Mapping[str, Any]) -> bool:
+    return all(key in record for key in PER_REQUEST_KEYS)
+
+
 def request_rows(record: Mapping[str, Any]) -> list[RequestRow]:
+    """Empty for a record without per-request lists (vLLM's without --save-detailed)."""
+    if not has_requests(record):
+        return []
     count = len(record["ttfts"])
     starts = record.get("start_times") or [0.0] * count
-    e2els = record.get("e2els") or [0.0] * count
+    # vLLM writes no e2els: send to last chunk is TTFT plus the gaps after it
+    e2els = record.get("e2els") or [
+        ttft + sum(itl) if ttft else 0.0
+        for ttft, itl in zip(record["ttfts"], record["itls"], strict=True)
+    ]
     columns = (starts, record["ttfts"], record["itls"], e2els, record["output_lens"])
     return [RequestRow(*fields) for fields in zip(*columns, record["errors"], strict=True)]
 

@@ -63,11 +63,11 @@ def sample_sharegpt(
 
 
 def _fits(prompt_len: int, output_len: int, fixed_output: bool) -> bool:
+    """vLLM's filter; a fixed output length skips only its minimum (the prompt and total
+    limits still hold, as in vLLM's is_valid_sequence)."""
     if prompt_len < MIN_LEN or (output_len < MIN_LEN and not fixed_output):
         return False
-    return fixed_output or (
-        prompt_len <= MAX_PROMPT_LEN and prompt_len + output_len <= MAX_TOTAL_LEN
-    )
+    return prompt_len <= MAX_PROMPT_LEN and prompt_len + output_len <= MAX_TOTAL_LEN
 
 
 def _read_json(path: Path) -> object:

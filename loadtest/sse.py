@@ -17,6 +17,10 @@ class StreamEvent(NamedTuple):
     prompt_tokens: int | None  # the same
     error: str | None  # the server reported an error inside the stream
     done: bool  # the `data: [DONE]` terminator
+    # A choice's output arrived, timed as vLLM's client times it: every chunk with a choice, its
+    # text empty or not (a special token skipped, the last chunk with finish_reason), except a
+    # chat role-only opening delta, which carries nothing generated.
+    timed: bool = False
 
 
 def parse_sse_line(line: str) -> StreamEvent | None:
@@ -36,25 +40,29 @@ def parse_sse_line(line: str) -> StreamEvent | None:
         return StreamEvent(
             "", None, None, f"unexpected chunk in the stream: {one_line(data, 80)}", False
         )
-    if "error" in chunk or chunk.get("object") == "error":
+    if chunk.get("error") is not None or chunk.get("object") == "error":  # ("error": null is none)
         return StreamEvent("", None, None, f"error in the stream: {_error_text(chunk)}", False)
+    text, timed = _choice_text(chunk)
     return StreamEvent(
-        _choice_text(chunk), _usage(chunk, "completion_tokens"), _usage(chunk, "prompt_tokens"),
-        None, False,
+        text, _usage(chunk, "completion_tokens"), _usage(chunk, "prompt_tokens"), None, False,
+        timed,
     )  # fmt: skip
 
 
-def _choice_text(chunk: dict) -> str:
+def _choice_text(chunk: dict) -> tuple[str, bool]:
+    """The first choice's text, and whether the chunk is timed (StreamEvent.timed)."""
     choices = chunk.get("choices")
     if not isinstance(choices, list) or not choices or not isinstance(choices[0], dict):
-        return ""
+        return "", False
     choice = choices[0]
     delta = choice.get("delta")
     if "text" in choice:
         text = choice["text"]
     else:
         text = delta.get("content") if isinstance(delta, dict) else None
-    return text if isinstance(text, str) else ""
+    text = text if isinstance(text, str) else ""
+    opening = isinstance(delta, dict) and "role" in delta and not text
+    return text, not opening or choice.get("finish_reason") is not None
 
 
 def _usage(chunk: dict, field: str) -> int | None:

@@ -91,3 +91,32 @@ def test_done_split_across_reads(cut: int) -> None:
 def test_a_last_line_without_its_newline_still_counts() -> None:
     result = asyncio.run(fetch([event("q"), b"data: [DONE]"]))
     assert result.error is None and result.generated_text == "q"
+
+
+def test_a_last_chunk_with_no_text_still_ends_the_request() -> None:
+    """The model stopped on EOS: the server's last chunk has finish_reason and no text. vLLM's
+    client times it (its E2EL, its last ITL); ours skipped it and TPOT read low."""
+    last = {"choices": [{"index": 0, "text": "", "finish_reason": "stop"}]}
+    stop = b"data: " + json.dumps(last).encode() + b"\n\n"
+    result = asyncio.run(fetch([event("a"), event("b"), stop, USAGE, DONE]))
+    assert result.error is None and result.generated_text == "ab"
+    assert len(result.itl) == 2  # a -> b -> the stop chunk
+    assert result.latency == pytest.approx(result.ttft + sum(result.itl))
+
+
+def test_a_connect_timeout_says_so(monkeypatch) -> None:
+    import aiohttp
+
+    async def cannot_connect(*args) -> None:
+        raise aiohttp.ConnectionTimeoutError("connect")
+
+    monkeypatch.setattr(loadtest.client, "_post", cannot_connect)
+    target = Target(url="http://127.0.0.1:9/v1/completions", model="m", headers={},
+                    is_chat=False)  # fmt: skip
+
+    async def go():
+        async with stream_client(None) as client:
+            return await send_request(client, target, {"prompt": "x"}, 3, timeout_s=40)
+
+    result = asyncio.run(go())
+    assert result.error == "cannot connect to http://127.0.0.1:9/v1/completions within 10 s"

@@ -13,7 +13,7 @@ from loadtest.compare import compare_table, load_labelled
 from loadtest.errors import BenchError
 from loadtest.metrics import compute_metrics
 from loadtest.plots import plot_run
-from loadtest.results import Record, result_record
+from loadtest.results import Record, load_record, request_rows, result_record
 from loadtest.runner import RunOutcome
 from tests.support.bench import parse_bench
 from tests.support.png import png_size
@@ -57,6 +57,26 @@ def test_compare_cli_prints_and_plots(tmp_path: Path, capsys) -> None:
     assert "(+100.0%)" in capsys.readouterr().out
     for name in ("compare_latency_cdf.png", "compare_summary.png"):
         assert min(png_size(tmp_path / "plots" / name)) > 100
+
+
+def test_vllm_records_compare_with_or_without_per_request_lists(tmp_path: Path) -> None:
+    """vLLM's `bench serve --save-result` writes the per-request lists only with
+    --save-detailed, and never `e2els`: the first was refused ("not a benchmark result"), the
+    second plotted every E2EL as 0 and every TPOT negative."""
+    ours = make_record(itl=0.02, label="tandem")
+    summary = {k: v for k, v in ours.items() if k not in ("ttfts", "itls", "output_lens",
+               "errors", "e2els", "start_times", "generated_texts", "input_lens")}  # fmt: skip
+    detailed = {k: v for k, v in ours.items() if k != "e2els"}
+    a = save(ours, tmp_path / "a.json")
+    b = save({**summary, "label": "vllm"}, tmp_path / "b.json")
+    c = save({**detailed, "label": "vllm-detailed"}, tmp_path / "c.json")
+    assert "vllm" in compare_table(load_labelled([a, b]))
+    args = parse_bench("compare", str(a), str(b), str(c), "--plot", str(tmp_path / "plots"))
+    assert bench_cli.run(args) == 0
+    [row, *_] = request_rows(load_record(c))
+    assert row.e2el == pytest.approx(0.1 + 4 * 0.02)  # TTFT and the gaps after it
+    assert row.tpot == pytest.approx(0.02)
+    assert request_rows(load_record(b)) == []
 
 
 def test_compare_rejects_files_that_are_not_results(tmp_path: Path) -> None:

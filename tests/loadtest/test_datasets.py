@@ -114,6 +114,15 @@ def test_sharegpt_fixed_output_len_and_num_prompts(tmp_path: Path) -> None:
     assert {s.expected_output_len for s in samples} == {7}
 
 
+def test_a_fixed_output_len_skips_only_the_minimum_output_check(tmp_path: Path) -> None:
+    """As vLLM's is_valid_sequence: the prompt (<= 1,024) and total (<= 2,048) limits still
+    hold with a fixed output length; they were skipped, and 3,000-token prompts came through."""
+    entries = [conversation(3000, 10), conversation(1000, 3), conversation(10, 3)]
+    path = write(tmp_path / "sg.json", entries)
+    samples = sample(ShareGPTSpec(path, output_len=1500), num_prompts=10)
+    assert [(s.prompt_len, s.expected_output_len) for s in samples] == [(10, 1500)]
+
+
 @pytest.mark.parametrize(
     ("content", "message"),
     [

@@ -135,8 +135,10 @@ class FakeServer:
             )
             if failure is not None and k == FAILING_TOKEN:
                 return await _fail_stream(writer, failure)
-            await _send_event(writer, _token_chunk(f"tok{k} ", chat, None))
-        await _send_event(writer, _token_chunk("", chat, "length"))
+            # the last token's chunk carries the finish, as vLLM's and tandem's servers send a
+            # reply cut by max_tokens (a chunk of its own would be timed as one more step)
+            last = "length" if k == num_tokens - 1 else None
+            await _send_event(writer, _token_chunk(f"tok{k} ", chat, last))
         wants_usage = (payload.get("stream_options") or {}).get("include_usage")
         if self.script.include_usage and wants_usage:
             usage = {"completion_tokens": num_tokens, "total_tokens": num_tokens}
