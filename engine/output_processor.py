@@ -62,7 +62,9 @@ class RequestState:
             # A stop token the request named; None for EOS, as vLLM reports it.
             token = update.stop_token_id
             self.stop_reason = token if token in self.params.stop_token_ids else None
-        hit = self._find_stop_string(scan_from)
+        # As vLLM: stop strings count once min_tokens are out, as EOS and stop ids do (those
+        # are masked until then)
+        hit = len(self.token_ids) >= self.params.min_tokens and self._find_stop_string(scan_from)
         return self._output(update, len(tokens)), hit
 
     def _add_text(self, piece: str) -> None:

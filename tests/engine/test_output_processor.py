@@ -78,3 +78,14 @@ def test_a_long_request_keeps_a_bounded_tail_of_its_text() -> None:
     assert type(outputs[-1].token_ids) is list  # the last output's: ready for json.dumps
     with pytest.raises(IndexError):
         outputs[99].token_ids[100]  # noqa: B018 (past the view, not past the list it shares)
+
+
+def test_stop_strings_wait_for_min_tokens_as_stop_tokens_do() -> None:
+    """min_tokens=5, stop "b", and "b" as the first token: the request ended after one token
+    (EOS and stop ids are masked until min_tokens; vLLM checks stop strings only then too)."""
+    params = SamplingParams(max_tokens=8, min_tokens=5, stop=["b"])
+    state = RequestState("r", [0], params, FakeTokenizer())  # type: ignore[arg-type]
+    outputs = feed(state, [[1], [0], [2], [3], [1], [0]], FinishReason.LENGTH)  # b a c d b a
+    final = outputs[-1]
+    assert len(final.token_ids) == 5 and final.finish_reason == "stop"
+    assert final.text == "bacd" and final.stop_reason == "b"  # the fifth token's "b" ends it
