@@ -177,7 +177,9 @@ class LLMEngine:
         seq = self._new_sequence(request_id, prompt_ids, params, output_ids)
         del self.sequences[request_id]
         hits = self.blocks.match_prefix(seq.token_ids, seq.block_hashes)
-        held = (*self.scheduler.running, *self.reserved.values())
+        # (the waiting ones too: a preempted or locally queued request is ahead in line, and
+        # counted out it lost every block and seat a finish freed to the next reservation)
+        held = (*self.scheduler.running, *self.reserved.values(), *self.scheduler.waiting)
         headroom = self.config.decode_headroom_tokens
         fits = fits_with_headroom(self.blocks, held, seq, hits, headroom)
         block_table = self.blocks.allocate_prefix(hits, seq.num_tokens) if fits else None
@@ -264,8 +266,8 @@ class LLMEngine:
 
     def has_room(self, num_reserved: int = 0) -> bool:
         """Whether another sequence may join the running batch (`num_reserved` more are
-        promised to it already)."""
-        held = self._num_held()
+        promised to it already): after the ones waiting here, which are ahead in line."""
+        held = self._num_held() + len(self.scheduler.waiting)
         return len(self.scheduler.running) + held + num_reserved < self.config.max_num_seqs
 
     def snapshot(self) -> EngineSnapshot:
