@@ -4,10 +4,15 @@ Pure Python (no torch). A full block is identified by a chained hash
 
     hash(block i) = hash((hash(block i-1), *tokens of block i))
 
-so equal hashes mean equal prefixes, barring a collision; every hit re-checks the tokens. A
-sequence keeps the hashes of its blocks (`Sequence.block_hashes`, filled by `chain_hashes`), so
-each block is hashed once however often its prefix is looked up or cached, and a cached block
-remembers where its tokens are (the token list and an offset) rather than a copy of them.
+so equal hashes mean equal prefixes, barring a collision; every hit re-checks what the hash
+stands for, so a collision (chance or crafted: Python's int hashing is public and unkeyed) is
+a miss, never another prompt's KV. A cached block remembers where its tokens are (the token list
+and an offset, not a copy) and the block it was computed after, with that block's generation
+(bumped whenever a block leaves the cache): a hit at position i needs the block's own tokens,
+position i, and as its parent the very block the walk matched at i - 1, still holding what it
+held then. Block 0's parent is none, so by induction a hit holds exactly the prompt's prefix.
+A sequence keeps the hashes of its blocks (`Sequence.block_hashes`, filled by `chain_hashes`),
+so each block is hashed once however often its prefix is looked up or cached.
 
 A block is in exactly one state:
     held       ref_count > 0, in some sequence's block table
@@ -64,8 +69,12 @@ class BlockManager:
         self.enable_prefix_caching = enable_prefix_caching
         self.ref_counts = [0] * num_blocks
         self.hashes: list[int | None] = [None] * num_blocks
-        # where a cached block's tokens are: (a token list, the block's first index in it)
-        self.block_tokens: list[tuple[Sequence[int], int] | None] = [None] * num_blocks
+        # where a cached block's tokens are: (a token list, the block's first index in it, the
+        # block before it and that block's generation then; None for a first block)
+        self.block_tokens: list[tuple[Sequence[int], int, tuple[int, int] | None] | None] = [
+            None
+        ] * num_blocks
+        self.generations = [0] * num_blocks  # bumped when a block leaves the cache
         self.hash_to_block: dict[int, int] = {}
         self.free: deque[int] = deque(range(num_blocks))
         self.evictable: OrderedDict[int, None] = OrderedDict()  # least recently freed first
@@ -91,20 +100,28 @@ class BlockManager:
         bs = self.block_size
         hashes = [] if hashes is None else hashes
         block_ids: list[int] = []
+        parent: tuple[int, int] | None = None
         for i in range(len(token_ids) // bs):
             if i == len(hashes):
                 chain_hashes(token_ids, bs, hashes, i + 1)
             block = self.hash_to_block.get(hashes[i])
-            if block is None or not self._holds(block, token_ids, i * bs):
+            if block is None or not self._holds(block, token_ids, i * bs, parent):
                 break
             block_ids.append(block)
+            parent = (block, self.generations[block])
         return block_ids
 
-    def _holds(self, block: int, token_ids: Sequence[int], start: int) -> bool:
-        """The cached block's tokens are token_ids[start : start + block_size] (no collision)."""
+    def _holds(
+        self, block: int, token_ids: Sequence[int], start: int, parent: tuple[int, int] | None
+    ) -> bool:
+        """The cached block holds token_ids[start : start + block_size], computed after `parent`
+        (the block matched before it, and its generation): no collision."""
         where = self.block_tokens[block]
         assert where is not None
-        ids, at, bs = where[0], where[1], self.block_size
+        ids, at, after = where
+        if at != start or after != parent:
+            return False
+        bs = self.block_size
         return list(ids[at : at + bs]) == list(token_ids[start : start + bs])
 
     def count_query(self, num_queried_tokens: int, num_hit_tokens: int) -> None:
@@ -154,6 +171,7 @@ class BlockManager:
         to it: a block becomes evictable only so (`free_blocks`), and while it is, no other
         block can take its hash (`cache_full_blocks` maps only hashes not mapped yet)."""
         popitem, hashes, where = self.evictable.popitem, self.hashes, self.block_tokens
+        generations = self.generations
         blocks = [popitem(last=False)[0] for _ in range(count)]
         digests = [hashes[block] for block in blocks]
         for digest in digests:
@@ -161,6 +179,7 @@ class BlockManager:
         for block in blocks:
             hashes[block] = None
             where[block] = None
+            generations[block] += 1
         if self.on_cache_change is not None:
             self.on_cache_change(digests, False)  # type: ignore[arg-type]
         return blocks
@@ -181,13 +200,15 @@ class BlockManager:
             hashes = [self.hashes[b] for b in block_table[:num_hashed]]  # type: ignore[misc]
         chain_hashes(token_ids, self.block_size, hashes, num_full)
         bs, table_hashes, where = self.block_size, self.hashes, self.block_tokens
-        hash_to_block = self.hash_to_block
+        hash_to_block, generations = self.hash_to_block, self.generations
         stored = []
         for i in range(num_hashed, num_full):
             block, digest = block_table[i], hashes[i]
             if table_hashes[block] is None:
                 table_hashes[block] = digest
-                where[block] = (token_ids, i * bs)
+                before = block_table[i - 1] if i else None
+                parent = None if before is None else (before, generations[before])
+                where[block] = (token_ids, i * bs, parent)
                 # A twin computed concurrently keeps the entry; this copy is freed as a miss.
                 if digest not in hash_to_block:
                     hash_to_block[digest] = block
@@ -207,6 +228,8 @@ class BlockManager:
             if digest is not None and hash_to_block.get(digest) == block:
                 evictable[block] = None
                 continue
+            if digest is not None:  # a twin's copy: blocks computed after it name it
+                self.generations[block] += 1
             hashes[block] = None
             where[block] = None
             free.append(block)  # never cached, or a twin's copy (its hash maps elsewhere)

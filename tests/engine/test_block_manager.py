@@ -81,6 +81,39 @@ def test_hash_collision_is_caught_by_token_recheck() -> None:
     assert bm.match_prefix([1, 2, 3, 4]) == table[:1]
 
 
+def test_a_collision_with_the_same_tokens_elsewhere_is_a_miss() -> None:
+    """The token re-check compared only the block's own tokens: a prompt whose hash collided
+    with a block holding the same tokens at another position, or after another prefix, got
+    that block's KV (computed for another context). Python's int hashing is public and
+    unkeyed, so such collisions can be searched for offline."""
+    bm = make()
+    a = fill(bm, [9, 9, 9, 9, 1, 2, 3, 4])
+    a_hashes = [bm.hashes[b] for b in a]
+    # [1, 2, 3, 4] as a first block, its hash forged to collide with a's second block
+    assert bm.match_prefix([1, 2, 3, 4, 0], [a_hashes[1]]) == []
+    # [8, 8, 8, 8, 1, 2, 3, 4]: its own first block cached, the second forged onto a's
+    c = fill(bm, [8, 8, 8, 8])
+    c_first = bm.hashes[c[0]]
+    assert bm.match_prefix([8, 8, 8, 8, 1, 2, 3, 4], [c_first, a_hashes[1]]) == c
+    # the real thing still hits in full
+    assert bm.match_prefix([9, 9, 9, 9, 1, 2, 3, 4]) == a
+
+
+def test_a_block_computed_after_an_evicted_parent_is_not_matched_through_its_reuse() -> None:
+    bm = make(3)
+    a = fill(bm, [1, 1, 1, 1, 2, 2, 2, 2])  # blocks a0, a1
+    bm.free_blocks(a)  # a1 then a0 become evictable
+    bm.evictable.move_to_end(a[1])  # a0 the least recently used: evicted first
+    fill(bm, [3, 3, 3, 3])  # takes the one free block
+    reused = bm.allocate(1)  # evicts a0: its id now holds other tokens
+    assert reused == [a[0]]
+    bm.cache_full_blocks(reused, [1, 1, 1, 1], 0, 1, [bm.hashes[a[1]] ^ 1])  # same tokens, new
+    # a1 names a0 as it was: through the reused id it is not reached
+    hashes = [bm.hashes[a[0]], bm.hashes[a[1]]]
+    bm.hash_to_block[hashes[0]] = a[0]  # (forged: the reused block found under a0's old hash)
+    assert bm.match_prefix([1, 1, 1, 1, 2, 2, 2, 2], hashes) == [a[0]]
+
+
 def test_a_sequence_hashes_its_blocks_once_and_every_hit_still_checks_tokens() -> None:
     bm = make()
     tokens = [1, 2, 3, 4, 5, 6, 7, 8, 9]
