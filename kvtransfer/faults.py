@@ -6,9 +6,9 @@ wraps any transport; on the prefill (sending) side, the chosen payload send (cou
 only, not frames, over all of the transport's channels; 0 is the first) is dropped, corrupted
 (one bit flipped in a copy, after the sender computed its checksum), delayed, sent twice, or the
 channel is cut just before it. `every=True` repeats the fault on every payload from then on.
-`Fault.CORRUPT_FRAME` counts step frames whose first chunk starts past token 0 instead, and
-flips the lowest set bit of that start: valid msgpack, payloads whose checksums hold, and KV
-that would land earlier in the request's slots than it belongs.
+`Fault.CORRUPT_FRAME` counts step frames with a chunk that starts past token 0 instead, and
+flips the lowest set bit of the first such start: valid msgpack, payloads whose checksums
+hold, and KV that would land earlier in the request's slots than it belongs.
 Receiving is passed through: the decode side sees only what arrives.
 
 The fault-injection suite (tests/kvtransfer/test_fault_injection.py) builds workers around it;
@@ -149,21 +149,23 @@ def _is_frame(tensor: torch.Tensor) -> bool:
 
 
 def _start_at(tensor: torch.Tensor) -> int | None:
-    """Where the last byte of the first chunk's start lies in a step frame whose first chunk
-    starts past token 0 (kvtransfer/wire.py's layout; msgpack ints are big-endian); None for
-    any other tensor."""
+    """Where the last byte of the first chunk's start past token 0 lies in a step frame
+    (kvtransfer/wire.py's layout; msgpack ints are big-endian); None for any other tensor."""
     if tensor.dim() != 1 or tensor.numel() != FRAME_BYTES:
         return None
     data = tensor.numpy().tobytes()
     length = int.from_bytes(data[:2], "little")
     kind, *fields = msgpack.unpackb(data[HEADER_BYTES : HEADER_BYTES + length])
-    if kind != "step" or not fields[0][0][1]:
+    if kind != "step":
         return None
     chunks = fields[0]
-    request_id, start, _ = chunks[0]
-    before = b"\x93" + msgpack.packb("step") + _array_header(len(chunks)) + b"\x93"
-    before += msgpack.packb(request_id)
-    return HEADER_BYTES + len(before) + len(msgpack.packb(start)) - 1
+    at = HEADER_BYTES + 1 + len(msgpack.packb("step")) + len(_array_header(len(chunks)))
+    for request_id, start, num_tokens in chunks:
+        before = b"\x93" + msgpack.packb(request_id)
+        if start:
+            return at + len(before) + len(msgpack.packb(start)) - 1
+        at += len(msgpack.packb([request_id, start, num_tokens]))
+    return None
 
 
 def _array_header(count: int) -> bytes:
@@ -171,7 +173,8 @@ def _array_header(count: int) -> bytes:
 
 
 def _flip_start_bit(frame: torch.Tensor) -> torch.Tensor:
-    """The frame with its first chunk's start lowered by its lowest set bit, CRC unchanged."""
+    """The frame with a chunk's start lowered by its lowest set bit (`_start_at`), its CRC
+    unchanged."""
     copy = frame.clone()
     at = _start_at(frame)
     assert at is not None

@@ -109,6 +109,10 @@ async def _measure(
 
     tasks = [asyncio.create_task(one(i)) for i in range(len(samples))]
     _, pending = await asyncio.wait(tasks, timeout=load.max_duration_s)
+    if load.max_duration_s is not None:  # (uvloop's timer may fire a millisecond early)
+        end = started_at + load.max_duration_s
+        while pending and (left := end - time.perf_counter()) > 0:
+            _, pending = await asyncio.wait(pending, timeout=left)
     for task in pending:
         task.cancel()
     await asyncio.gather(*pending, return_exceptions=True)  # cancelled tasks end promptly

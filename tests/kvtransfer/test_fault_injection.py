@@ -56,6 +56,7 @@ class Case:
     delay: float = 0.0
     retried: bool = True  # the fault costs an attempt
     corrupt: range = range(0, 1)  # checksum failures the decode worker reports
+    step_tokens: int = 64  # the prefill step's token budget
 
 
 CASES = {
@@ -69,7 +70,9 @@ CASES = {
     "drop": Case(Fault.DROP),
     "duplicate": Case(Fault.DUPLICATE, retried=False),
     "cut": Case(Fault.CUT),
-    "corrupt frame": Case(Fault.CORRUPT_FRAME),
+    # (16-token steps: the 29- and 54-token prompts come in chunks, some starting past token 0,
+    # however the requests happen to arrive)
+    "corrupt frame": Case(Fault.CORRUPT_FRAME, on_payload=0, step_tokens=16),
     "delay within lease": Case(Fault.DELAY, delay=0.3, retried=False),
     "delay past lease": Case(Fault.DELAY, delay=LEASE_S + 1.0),
 }
@@ -96,7 +99,11 @@ def test_a_fault_in_the_handoff_never_reaches_the_output(
     case = CASES[name]
     prompts, expected = prompts_and_expected
     config = EngineConfig(
-        tiny_llama, dtype="float32", block_size=4, num_kv_blocks=96, max_num_batched_tokens=64
+        tiny_llama,
+        dtype="float32",
+        block_size=4,
+        num_kv_blocks=96,
+        max_num_batched_tokens=case.step_tokens,
     )
     faulty = FaultyTransport(
         transport_named(transport), case.fault, case.on_payload, case.every, case.delay
