@@ -509,7 +509,11 @@ class IpcTransport:
                 f"channel {key!r} did not open: a ring offered from another host, refused"
             )
         try:
-            ring = _map_ring(msgpack.unpackb(answer))
+            offer = msgpack.unpackb(answer)
+            ring = _map_ring(offer)
+            # Unlinked here too, once mapped: a sender killed before it hears "mapped" (and
+            # unlinks it itself) would leave the ring's file in /dev/shm for good.
+            _forget_ring(offer)
             send_message(sock, b"mapped", deadline)
         except (OSError, RuntimeError, ValueError, KeyError, TransferError) as err:
             sock.close()

@@ -32,15 +32,29 @@ def _seconds(timeout: float) -> datetime.timedelta:
 class _Pending:
     """One posted send or receive; holds its buffer until the wait."""
 
-    def __init__(self, work, buffer: torch.Tensor, copy_to: torch.Tensor | None = None) -> None:
+    def __init__(
+        self,
+        work,
+        buffer: torch.Tensor,
+        copy_to: torch.Tensor | None = None,
+        ended_by_error: bool = False,
+    ) -> None:
+        """`ended_by_error`: a wait that fails other than by its deadline (the peer gone, the
+        connection reset) ends the operation (gloo): the buffer is the backend's no more."""
         self.work, self.buffer, self.copy_to = work, buffer, copy_to
+        self.ended_by_error = ended_by_error
         self.finished = False
 
     def wait(self, timeout: float | None) -> None:
         try:
             self.work.wait(IDLE_WAIT if timeout is None else _seconds(timeout))
         except RuntimeError as err:
-            raise TransferError(str(err).splitlines()[0]) from err
+            message = str(err).splitlines()[0]
+            if self.ended_by_error and "timed out" not in message.lower():
+                # (held as still posted, a dead peer's receive kept its whole gloo context,
+                # a thread and six sockets, for as long as the worker lived)
+                self.finished = True
+            raise TransferError(message) from err
         # Only a wait that succeeded says the backend is done with the buffer: a gloo work
         # marks itself completed when its wait times out, with the receive still posted.
         self.finished = True
@@ -66,13 +80,22 @@ class ProcessGroupChannel:
 
     def send_async(self, tensor: torch.Tensor) -> _Pending:
         staged = tensor.to(self.device)
-        return _Pending(self._post(self.group.send, staged), staged)
+        return _Pending(self._post(self._group().send, staged), staged, None, self._gloo)
 
     def recv_async(self, tensor: torch.Tensor) -> _Pending:
         if tensor.device == self.device:
-            return _Pending(self._post(self.group.recv, tensor), tensor)
+            return _Pending(self._post(self._group().recv, tensor), tensor, None, self._gloo)
         staged = torch.empty_like(tensor, device=self.device)
-        return _Pending(self._post(self.group.recv, staged), staged, copy_to=tensor)
+        return _Pending(self._post(self._group().recv, staged), staged, tensor, self._gloo)
+
+    @property
+    def _gloo(self) -> bool:
+        return self.device.type == "cpu"
+
+    def _group(self):  # noqa: ANN202
+        if self.group is None:  # (an AttributeError before: closed, it is a TransferError)
+            raise TransferError("the channel is closed")
+        return self.group
 
     def skip_message(self) -> None:
         """Tests only (kvtransfer/faults.py): the next message is lost on the wire."""

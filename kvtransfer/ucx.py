@@ -101,7 +101,7 @@ class UcxChannel:
         self.recv_async(tensor).wait(timeout)
 
     def send_async(self, tensor: torch.Tensor) -> UcxPending:
-        return self._post(self.endpoint.tag_send, tensor.contiguous(), None)
+        return self._post("tag_send", tensor.contiguous(), None)
 
     def skip_message(self) -> None:
         """Tests only (kvtransfer/faults.py): the next message is lost on the wire."""
@@ -114,9 +114,9 @@ class UcxChannel:
 
     def recv_async(self, tensor: torch.Tensor) -> UcxPending:
         if tensor.is_contiguous():
-            return self._post(self.endpoint.tag_recv, tensor, None)
+            return self._post("tag_recv", tensor, None)
         staged = torch.empty_like(tensor, memory_format=torch.contiguous_format)
-        return self._post(self.endpoint.tag_recv, staged, tensor)
+        return self._post("tag_recv", staged, tensor)
 
     def failure(self, now: float) -> str | None:
         if self.error is not None:
@@ -153,10 +153,12 @@ class UcxChannel:
         self.lifeline.close()
         self.endpoint = None
 
-    def _post(self, post, tensor: torch.Tensor, copy_to: torch.Tensor | None) -> UcxPending:
+    def _post(self, method: str, tensor: torch.Tensor, copy_to: torch.Tensor | None) -> UcxPending:
+        """`method`: the endpoint's, named (a closed channel has no endpoint to ask)."""
         reason = self.failure(time.monotonic())
         if reason is not None:
             raise TransferError(f"channel {self.key!r} is broken: {reason}")
+        post = getattr(self.endpoint, method)
         if tensor.is_cuda:  # UCX copies on its own stream: pending writes must land first
             torch.cuda.current_stream(tensor.device).synchronize()
         flat = tensor.reshape(-1).view(torch.uint8)  # a view: the tensor is contiguous

@@ -134,10 +134,14 @@ class UcxWorker:
         self._fds.register(channel.lifeline_fd, select.EPOLLIN | select.EPOLLRDHUP)
 
     def unwatch(self, channel: Watched) -> None:
-        # Under the lock: the channel's close waits for it before it closes the fd.
+        # Under the lock: the channel's close waits for it before it closes the fd. Only if
+        # the fd is still this channel's: closed meanwhile, its number may be a new channel's
+        # lifeline, which would lose its watch (and hang on its peer's death).
         with self._lock:
-            if self._watched.pop(channel.lifeline_fd, None) is not None:
-                self._fds.unregister(channel.lifeline_fd)
+            fd = channel.lifeline_fd
+            if self._watched.get(fd) is channel:
+                del self._watched[fd]
+                self._fds.unregister(fd)
 
     def close_blocking(self, endpoint) -> None:
         """ucxx's blocking close: it cancels the endpoint's posted requests and progresses

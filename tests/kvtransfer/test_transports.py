@@ -116,6 +116,13 @@ def test_killed_receiver_fails_the_sender(name: str) -> None:
     killed_receiver_fails_the_sender(functools.partial(transport_named, name), "cpu", 64)
 
 
+def test_a_closed_channel_refuses_new_work_with_a_transfer_error(channels) -> None:
+    tx, rx = channels
+    tx.close()
+    with pytest.raises(TransferError):  # (gloo and UCX raised AttributeError)
+        tx.send_async(torch.zeros(4, dtype=torch.uint8))
+
+
 @pytest.mark.parametrize("name", TRANSPORTS)
 def test_connect_to_a_gone_worker_fails_at_once(name: str) -> None:
     """Its rendezvous store is closed (the worker was killed): the connect fails well inside its
