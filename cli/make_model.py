@@ -36,6 +36,9 @@ def run(args: argparse.Namespace) -> int:
         raise CliError(f"--out {args.out} exists and is not an empty folder")
     if args.num_layers is not None and args.num_layers < 1:
         raise CliError("--num-layers must be at least 1")
+    most = ARCHITECTURES[args.arch].dims["num_hidden_layers"]
+    if args.num_layers is not None and args.num_layers > most:
+        raise CliError(f"--num-layers {args.num_layers}: {args.arch} has {most} layers")
     written = make_model(args.arch, args.out, seed=args.seed, num_layers=args.num_layers)
     print(f"wrote {args.out} ({written / 2**30:.2f} GiB of weights)", file=sys.stderr)
     print(args.out)

@@ -10,6 +10,7 @@ fitted transfer model, the one `tandem simulate --transfer-profile` reads.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -120,6 +121,14 @@ def run(args: argparse.Namespace) -> int:
         value = getattr(args, flag)
         if value is not None and value < 1:
             raise CliError(f"--{flag.replace('_', '-')} must be at least 1")
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    if args.threads is not None and args.address is None and args.threads > (cores or 1):
+        # (100,000 asked for: "can't start new thread", then a segmentation fault)
+        raise CliError(f"--threads {args.threads} is more than this machine's {cores} cores")
+    for flag in ("output", "transfer_output"):
+        where = getattr(args, flag, None)
+        if where is not None and Path(where).is_dir():  # found out only after the sweep
+            raise CliError(f"--{flag.replace('_', '-')} {where} is a folder: name the file")
     for flag in ("pool", "placement_timeout", "sweep_timeout"):
         if getattr(args, flag) is not None and args.address is None:
             name = flag.replace("_", "-")

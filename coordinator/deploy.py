@@ -3,6 +3,7 @@ command line can read its defaults without loading either; `coordinator.builder`
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -65,8 +66,8 @@ class DeployConfig:
                 "--gpus-per-worker must be in (0, 1]: a rank's share of one GPU (0.5 puts two "
                 "workers on each GPU)"
             )
-        if self.planner_interval <= 0:
-            raise ConfigError("--planner-interval must be > 0")
+        if not 0 < self.planner_interval < math.inf:  # (NaN fails too: the loop would spin)
+            raise ConfigError("--planner-interval must be a finite number > 0")
         if self.planner_max_workers is not None and self.planner_max_workers < 2:
             raise ConfigError("--planner-max-workers must be at least 2 (a prefill and a decode)")
         launched = self.num_prefill + self.num_decode

@@ -209,12 +209,13 @@ def make_model(arch_name: str, dest: Path, seed: int = 0, num_layers: int | None
     weight bytes written."""
     if arch_name not in ARCHITECTURES:
         raise ValueError(f"unknown architecture {arch_name!r}; known: {', '.join(ARCHITECTURES)}")
-    if num_layers is not None and num_layers < 1:
-        raise ValueError("num_layers must be at least 1")
+    arch = ARCHITECTURES[arch_name]
+    most = arch.dims["num_hidden_layers"]
+    if num_layers is not None and not 1 <= num_layers <= most:  # (a million: terabytes)
+        raise ValueError(f"num_layers must be in [1, {most}] ({arch_name}'s layers)")
     dest.mkdir(parents=True, exist_ok=True)
     if any(dest.iterdir()):
         raise ValueError(f"{dest} is not empty")
-    arch = ARCHITECTURES[arch_name]
     tokenizer = train_tokenizer(filled_to=arch.dims["vocab_size"])
     config = hf_config(arch, tokenizer, num_layers)
     written = write_weights(tensor_shapes(config), dest, seed)

@@ -144,6 +144,10 @@ class ShareGPTSpec:
     output_len: int | None = None  # None: the length of the recorded reply
     shuffle: bool = True  # False: conversations in file order (vLLM's --disable-shuffle)
 
+    def __post_init__(self) -> None:
+        fixed = self.output_len
+        _require(fixed is None or fixed > 0, "--sharegpt-output-len must be > 0")
+
 
 @dataclass(frozen=True)
 class PrefixRepetitionSpec:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import statistics
 from collections.abc import Sequence
 from pathlib import Path
@@ -71,6 +72,7 @@ def _record(item: Any, index: int, path: Path) -> StepRecord:
         )
     except (TypeError, ValueError) as err:
         raise CostModelError(f"{path}: record {index}: {err}") from None
-    if record.seconds <= 0:
-        raise CostModelError(f"{path}: record {index} has seconds <= 0")
+    if not (0 < record.seconds < math.inf):  # (NaN fails too)
+        seconds = record.seconds
+        raise CostModelError(f"{path}: record {index} has seconds {seconds}: not finite and > 0")
     return record

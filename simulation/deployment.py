@@ -81,8 +81,10 @@ class Deployment:
     def __post_init__(self) -> None:
         if self.prefill_workers < 0 or self.decode_workers < 1:
             raise SimulationError("a deployment needs >= 0 prefill and >= 1 decode workers")
-        if self.host_cores is not None and self.host_cores <= 0:
-            raise SimulationError("host_cores must be more than 0")
+        if self.host_cores is not None and not 0 < self.host_cores < math.inf:  # (NaN too)
+            raise SimulationError("host_cores must be a finite number more than 0")
+        if self.late_after_s is not None and not 0 <= self.late_after_s < math.inf:
+            raise SimulationError("late_after_s must be a finite number >= 0")
         if self.paced_cores is not None and self.paced_cores < 1:
             raise SimulationError("paced_cores must be at least 1")
         if self.paced_cores is not None and self.host_cores is not None:

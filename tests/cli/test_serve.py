@@ -285,6 +285,8 @@ def test_planner_flags_and_their_errors(tiny_llama, tmp_path) -> None:
         planner_setup(engine_config(args), missing, tmp_path)
     with pytest.raises(ConfigError, match="--planner-max-workers must be at least 2"):
         DeployConfig(planner_slo="ttft_p99=1s,itl_p99=50ms", planner_max_workers=0)
+    with pytest.raises(ConfigError, match="--planner-interval must be a finite number > 0"):
+        DeployConfig(planner_interval=float("nan"))  # (asyncio.sleep(nan) returns at once)
     with pytest.raises(ConfigError, match="below the 4 workers launched"):
         DeployConfig(num_prefill=2, num_decode=2, planner_max_workers=3)
     with pytest.raises(ConfigError, match="is a folder: name the profile's file"):

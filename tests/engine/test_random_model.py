@@ -150,3 +150,10 @@ def test_full_shape_on_cuda_within_bf16_of_transformers(tmp_path: Path, arch: st
     assert clear.sum() >= 8  # the check must decide steps, or it says nothing
     chosen = torch.tensor(tokens)
     assert (chosen[clear] == top2.indices[clear, 0]).all()
+
+
+def test_more_layers_than_the_architecture_has_are_refused(tmp_path: Path) -> None:
+    """A million layers ran on towards terabytes of weights."""
+    with pytest.raises(ValueError, match=r"num_layers must be in \[1, 30\]"):
+        make_model("smollm2-135m", tmp_path / "m", num_layers=1_000_000)
+    assert not (tmp_path / "m").exists()

@@ -158,3 +158,10 @@ def test_sharegpt_in_file_order_without_shuffle(tmp_path: Path) -> None:
     path = write(tmp_path / "sg.json", [conversation(10 + i, 20) for i in range(6)])
     samples = sample(ShareGPTSpec(path, shuffle=False), num_prompts=4)
     assert [s.prompt_len for s in samples] == [10, 11, 12, 13]
+
+
+@pytest.mark.parametrize("length", [0, -5])
+def test_a_sharegpt_output_len_must_be_positive(tmp_path: Path, length: int) -> None:
+    """It was sent as max_tokens, and every request failed with "no generated text"."""
+    with pytest.raises(BenchError, match="--sharegpt-output-len must be > 0"):
+        ShareGPTSpec(tmp_path / "sg.json", output_len=length)

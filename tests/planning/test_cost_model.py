@@ -210,7 +210,12 @@ def test_profile_from_telemetry_fits_the_records(tmp_path: Path, capsys) -> None
         ('{"a": 1}', "expected a JSON list"),
         ('[{"seconds": 0.1}]', "record 0 lacks prefill_tokens"),
         ('[{"seconds": 0, "prefill_tokens": 1, "prefill_attention": 1, "decode_seqs": 0, '
-         '"decode_context": 0}]', "seconds <= 0"),
+         '"decode_context": 0}]', "has seconds 0"),
+        # NaN broke the fit (an SVD that does not converge); inf fitted a model and said 0
+        ('[{"seconds": NaN, "prefill_tokens": 1, "prefill_attention": 1, "decode_seqs": 0, '
+         '"decode_context": 0}]', "has seconds nan"),
+        ('[{"seconds": Infinity, "prefill_tokens": 1, "prefill_attention": 1, '
+         '"decode_seqs": 0, "decode_context": 0}]', "has seconds inf"),
     ],
 )  # fmt: skip
 def test_profile_bad_telemetry_is_one_line(tmp_path: Path, capsys, content, error) -> None:
@@ -224,6 +229,21 @@ def test_profile_bad_telemetry_is_one_line(tmp_path: Path, capsys, content, erro
     err = capsys.readouterr().err
     assert err.startswith("tandem profile: error:") and error in err and err.count("\n") == 1
     assert not output.exists()
+
+
+def test_profile_refuses_before_the_sweep_what_it_cannot_do(tmp_path: Path, capsys) -> None:
+    """100,000 threads crashed the process (a segmentation fault after "can't start new
+    thread"); an --output that is a folder was found out only after the whole sweep."""
+    from cli.main import main
+
+    model = str(tmp_path)  # never read: both are refused first
+    for flags, error in (
+        (["--threads", "100000"], "--threads 100000 is more than this machine's"),
+        (["--output", str(tmp_path)], "is a folder: name the file"),
+    ):
+        assert main(["profile", "--model", model, "--quick", *flags]) == 1
+        err = capsys.readouterr().err
+        assert error in err and err.count("\n") == 1
 
 
 @pytest.mark.skipif(not OVERHEAD_MODEL.is_dir(), reason="the overhead model is not fetched")

@@ -221,6 +221,11 @@ def test_steps_draw_the_measured_spread_around_the_model():
     assert any(times != spread for times in other_draws)  # another seed, other draws
     with pytest.raises(SimulationError, match="step_noise"):
         replace(base.deployment, step_noise=(0.0,))
+    # NaN cores read as unlimited ones, a negative or NaN objective went unchecked
+    for bad in ({"host_cores": float("nan")}, {"late_after_s": -1.0},
+                {"late_after_s": float("nan")}):  # fmt: skip
+        with pytest.raises(SimulationError, match="must be a finite number"):
+            replace(base.deployment, **bad)
 
 
 def test_paced_steps_draw_the_spread_measured_on_their_thread_count():
