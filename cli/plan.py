@@ -56,6 +56,14 @@ def run(args: argparse.Namespace) -> int:
     from simulation.search import Candidate, search
     from simulation.workload import SimulationError
 
+    # bench's output flags: a plan saves its table with --plan-json, nothing else (they were
+    # taken and silently ignored)
+    for flag in ("sweep", "plot", "label", "result_dir", "result_filename", "result_path"):
+        if getattr(args, flag, None) is not None:
+            name = f"--{flag.replace('_', '-')}"
+            raise CliError(f"{name} is tandem bench's; tandem plan writes --plan-json instead")
+    if args.save_result:
+        raise CliError("--save-result is tandem bench's; tandem plan writes --plan-json instead")
     if args.gpus < 1 or args.tp < 1:
         raise CliError("--gpus and --tp must be at least 1")
     if args.gpus > MAX_GPUS:

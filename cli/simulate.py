@@ -11,6 +11,7 @@ JSON-lines trace instead (simulation/workload.py).
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -184,6 +185,13 @@ def run(args: argparse.Namespace) -> int:
         path = result_path(bench.output.save_result, record)
         save_record(record, path)
         print(f"Results saved to {path}")
+    failed = [run for run in outcome.runs if run.finished_at is not None and run.error]
+    if failed:  # (said only in the saved JSON before)
+        done = len([run for run in outcome.runs if run.finished_at is not None])
+        message = f"{len(failed)} of {done} simulated requests failed (first: {failed[0].error})"
+        if len(failed) == done:
+            raise CliError(message)
+        print(f"tandem simulate: {message}", file=sys.stderr)
     return 0
 
 

@@ -35,3 +35,5 @@ def load_json(path: Path) -> Any:
         raise CostModelError(f"cannot read {path}: {err.strerror}") from None
     except json.JSONDecodeError as err:
         raise CostModelError(f"{path} is not JSON: {err}") from None
+    except UnicodeDecodeError:
+        raise CostModelError(f"{path} is not JSON: not UTF-8 text") from None

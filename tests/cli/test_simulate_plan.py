@@ -61,6 +61,23 @@ def test_simulate_late_after_serves_newest_first_under_overload(tmp_path, capsys
     assert on_time[1] > on_time[0]
 
 
+def test_a_simulation_whose_every_request_failed_says_so(capsys):
+    """Prompts longer than the context: every request failed, and the exit was 0 with the
+    reason only in the saved JSON."""
+    args = ["simulate", "--profile", str(PROFILE), *WORKLOAD, "--random-input-len", "100000"]
+    assert main(args) == 1
+    err = capsys.readouterr().err
+    assert "30 of 30 simulated requests failed (first:" in err
+
+
+def test_a_profile_that_is_not_text_is_named(tmp_path, capsys):
+    binary = tmp_path / "profile.json"
+    binary.write_bytes(b"\xff\xfe\x00garbage")
+    assert main(["simulate", "--profile", str(binary), *WORKLOAD]) == 1
+    err = capsys.readouterr().err
+    assert f"{binary} is not JSON: not UTF-8 text" in err and "Traceback" not in err
+
+
 @pytest.mark.parametrize(
     ("extra", "message"),
     [
@@ -169,6 +186,10 @@ def test_plan_rejects_a_malformed_slo(capsys):
         (["--gpus", "4", "--tp", "8"], "4 GPUs hold no worker of 8 GPUs"),
         (["--gpus", "2", "--plan-json", "{tmp}"], "is a folder"),
         (["--gpus", "2", "--plan-json", "{tmp}/no/such/plan.json"], "is in no existing folder"),
+        # bench's output flags were taken and silently ignored
+        (["--gpus", "2", "--result-path", "{tmp}/r.json"], "--result-path is tandem bench's"),
+        (["--gpus", "2", "--save-result"], "--save-result is tandem bench's"),
+        (["--gpus", "2", "--plot", "{tmp}"], "--plot is tandem bench's"),
     ],
 )
 def test_plan_refuses_before_it_searches(tmp_path, capsys, extra, message):
