@@ -44,7 +44,11 @@ class Tokenizer:
     def __init__(self, path: str | Path) -> None:
         from transformers import AutoTokenizer
 
-        self.hf: PreTrainedTokenizerBase = AutoTokenizer.from_pretrained(str(path))
+        try:
+            self.hf: PreTrainedTokenizerBase = AutoTokenizer.from_pretrained(str(path))
+        except (OSError, ValueError) as err:  # no tokenizer files, or files that do not parse
+            first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+            raise TokenizerError(f"cannot load the tokenizer in {path}: {first}") from None
         # The Rust tokenizer underneath a fast one (None for a slow, pure-Python tokenizer).
         self.backend: RustTokenizer | None = getattr(self.hf, "_tokenizer", None)
         # Whether the Rust incremental decoder gives `decode`'s text (see decode_stream).

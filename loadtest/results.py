@@ -148,6 +148,9 @@ def check_result_target(where: ResultFile) -> None:
         path = Path(where.filename) if where.directory is None else where.directory / where.filename
         if path.is_dir():
             raise BenchError(f"the result file {path} is a folder")
+        folder = next((p for p in path.parents if p.exists()), None)  # the nearest that exists
+        if folder is not None and not folder.is_dir():  # (found out only after the run)
+            raise BenchError(f"the result file {path} cannot be made: {folder} is a file")
 
 
 def check_plot_dir(plot_dir: Path) -> None:

@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from engine.tokenizer import IncrementalDetokenizer, Tokenizer
+from engine.tokenizer import IncrementalDetokenizer, Tokenizer, TokenizerError
 
 TEXT = "Über naïve café — 日本語 テキスト 😀 emoji! The quick brown fox."
 
@@ -119,3 +119,20 @@ def test_rust_and_python_windows_give_the_same_text(tokenizer, monkeypatch, seed
     for python_window in (False, True):
         grouped = _deltas(tokenizer, prompt, ids, groups, python_window, monkeypatch)
         assert "".join(grouped) == full
+
+
+def test_a_folder_without_a_usable_tokenizer_is_named(tiny_llama, tmp_path) -> None:
+    """transformers' own message ran to five lines about sentencepiece and tiktoken, and a
+    corrupt tokenizer.json gave a JSONDecodeError with no path."""
+    (tmp_path / "none").mkdir()
+    (tmp_path / "none" / "config.json").write_text((tiny_llama / "config.json").read_text())
+    with pytest.raises(TokenizerError, match=f"cannot load the tokenizer in {tmp_path / 'none'}"):
+        Tokenizer(tmp_path / "none")
+    corrupt = tmp_path / "corrupt"
+    corrupt.mkdir()
+    for name in ("config.json", "tokenizer_config.json"):
+        if (tiny_llama / name).exists():
+            (corrupt / name).write_text((tiny_llama / name).read_text())
+    (corrupt / "tokenizer.json").write_text("{not json")
+    with pytest.raises(TokenizerError, match=f"cannot load the tokenizer in {corrupt}"):
+        Tokenizer(corrupt)

@@ -24,6 +24,14 @@ def test_a_result_file_that_is_a_folder_is_refused(tmp_path) -> None:
     assert (tmp_path / "new").is_dir()
 
 
+def test_a_result_file_under_a_file_is_refused_before_the_run(tmp_path) -> None:
+    """--result-path f/x.json where f is a file passed the check, and failed after the run."""
+    (tmp_path / "f").write_text("x")
+    with pytest.raises(BenchError, match="cannot be made: .*f is a file"):
+        check_result_target(ResultFile(filename=str(tmp_path / "f" / "deeper" / "x.json")))
+    check_result_target(ResultFile(filename=str(tmp_path / "new" / "x.json")))  # made later
+
+
 def test_a_record_that_cannot_be_written_is_kept_in_the_working_folder(
     tmp_path, monkeypatch
 ) -> None:
