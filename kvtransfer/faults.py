@@ -109,10 +109,11 @@ class _FaultyChannel:
     def send_async(self, tensor: torch.Tensor) -> Pending:
         fault = self.plan.fault
         if fault is Fault.CORRUPT_FRAME:
-            if _start_at(tensor) is None or not self.plan.strikes():
+            at = _start_at(tensor)
+            if at is None or not self.plan.strikes():
                 return self.channel.send_async(tensor)
             self.plan.injected += 1
-            return self.channel.send_async(_flip_start_bit(tensor))
+            return self.channel.send_async(_flip_start_bit(tensor, at))
         if _is_frame(tensor) or not self.plan.strikes():
             return self.channel.send_async(tensor)
         self.plan.injected += 1
@@ -172,12 +173,10 @@ def _array_header(count: int) -> bytes:
     return msgpack.packb([None] * count)[:-count]  # each None is one byte
 
 
-def _flip_start_bit(frame: torch.Tensor) -> torch.Tensor:
-    """The frame with a chunk's start lowered by its lowest set bit (`_start_at`), its CRC
-    unchanged."""
+def _flip_start_bit(frame: torch.Tensor, at: int) -> torch.Tensor:
+    """The frame with the start whose last byte is at `at` (`_start_at`) lowered by its lowest
+    set bit, its CRC unchanged."""
     copy = frame.clone()
-    at = _start_at(frame)
-    assert at is not None
     copy[at] ^= int(copy[at]) & -int(copy[at])
     return copy
 
